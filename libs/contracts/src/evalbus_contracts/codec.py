@@ -1,0 +1,52 @@
+"""JSON encoders and decoders, built once per process (msgspec's fast path)."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+
+from evalbus_contracts.events import Event
+
+T = TypeVar("T")
+
+_encoder = msgspec.json.Encoder()
+_event_decoder: msgspec.json.Decoder[Event] = msgspec.json.Decoder(Event)
+_decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
+
+DecodeError = msgspec.DecodeError
+"""Raised for bytes that are not a valid payload (includes validation errors)."""
+
+
+def encode(value: Any) -> bytes:
+    """Encode any contract value as JSON."""
+    return _encoder.encode(value)
+
+
+def decode_event(data: bytes) -> Event:
+    """Decode any event by its `type` tag; unknown fields are ignored."""
+    return _event_decoder.decode(data)
+
+
+def decoder_for(kind: type[T]) -> msgspec.json.Decoder[T]:
+    """A cached decoder for one type (or a union)."""
+    dec = _decoders.get(kind)
+    if dec is None:
+        dec = msgspec.json.Decoder(kind)
+        _decoders[kind] = dec
+    return dec
+
+
+def decode(data: bytes | str, kind: type[T]) -> T:
+    """Decode `data` as `kind`."""
+    return decoder_for(kind).decode(data)
+
+
+def convert(obj: Any, kind: type[T]) -> T:
+    """Validate already-parsed data (YAML, dicts) as `kind`."""
+    return msgspec.convert(obj, kind)
+
+
+def to_builtins(value: Any) -> Any:
+    """A contract value as plain JSON-compatible Python."""
+    return msgspec.to_builtins(value)

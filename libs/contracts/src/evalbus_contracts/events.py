@@ -1,0 +1,371 @@
+"""Every event on the bus. Each carries an event id, its type tag, a schema version, a UTC
+timestamp and the batch / case / run / attempt ids it concerns.
+
+`subject()` and `msg_id()` are pure: the subject it is published on and its `Nats-Msg-Id`
+(`<type>:<run id>` for run events, `<type>:<batch id>` for batch events), so a redelivered
+stage cannot emit twice inside the duplicate window.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import ClassVar, Literal
+
+import msgspec
+
+from evalbus_contracts import subjects as s
+from evalbus_contracts.results import CaseResult
+from evalbus_contracts.specs import BatchSpec, CaseSpec, HarnessSpec, JudgeSpec, SinkSpec
+from evalbus_contracts.summary import BatchError, BatchSummary, ExportSummary, SinkOutcome
+from evalbus_contracts.trace import Infra, TraceEvent
+
+
+def new_event_id() -> str:
+    """A fresh event id."""
+    return uuid.uuid4().hex
+
+
+def utcnow() -> datetime:
+    """Now, timezone-aware UTC."""
+    return datetime.now(UTC)
+
+
+class _Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    event_id: str = msgspec.field(default_factory=new_event_id)
+    """Unique id of this event."""
+    v: int = 1
+    """Schema version of this event type."""
+    ts: datetime = msgspec.field(default_factory=utcnow)
+    """When the event was built (UTC)."""
+    batch_id: str | None = None
+    """Batch this event belongs to."""
+    case_id: str | None = None
+    """Case id."""
+    run_id: str | None = None
+    """Run id."""
+    attempt: int = 1
+    """Execution attempt (retries of retryable failures increase it)."""
+
+    @property
+    def type(self) -> str:
+        """The event type tag."""
+        return str(type(self).__struct_config__.tag)
+
+    def subject(self) -> str:
+        """Subject this event is published on."""
+        raise NotImplementedError
+
+    def msg_id(self) -> str:
+        """`Nats-Msg-Id` for deduplication."""
+        key = self.run_id or self.batch_id or self.event_id
+        return f"{self.type}:{key}"
+
+
+class CasePlan(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What later stages need to know about the batch, carried with every case event so no
+    service depends on cross-subject order or shared state."""
+
+    judges: tuple[JudgeSpec, ...] = ()
+    """Judges in selection order."""
+    sinks: tuple[SinkSpec, ...] = ()
+    """Export sinks."""
+    retries: int = 1
+    """Retries for retryable infrastructure failures."""
+    trials: int = 1
+    """Trials per case."""
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+    """Batch labels."""
+    suite_id: str | None = None
+    """Suite id."""
+    submitted_by: str | None = None
+    """Creator of the batch."""
+
+
+# ---------------------------------------------------------------- batch events
+
+
+class BatchRequested(_Event, frozen=True, kw_only=True, tag="batch.requested"):
+    """The gateway accepted a batch."""
+
+    spec: BatchSpec
+    """The validated spec."""
+    submitted_by: str
+    """Principal that submitted it."""
+
+    def subject(self) -> str:
+        return s.batch_subject(s.BATCH_REQUESTED, _req(self.batch_id))
+
+
+class BatchCancelled(_Event, frozen=True, kw_only=True, tag="batch.cancelled"):
+    """A batch stops starting cases; in-flight ones settle."""
+
+    reason: Literal["cancelled", "superseded"]
+    """User cancel or supersede."""
+    by: str
+    """Principal (or the superseding batch id)."""
+    superseded_by: str | None = None
+    """Batch that superseded this one."""
+
+    def subject(self) -> str:
+        return s.batch_subject(s.BATCH_CANCELLED, _req(self.batch_id))
+
+
+class BatchFinalized(_Event, frozen=True, kw_only=True, tag="batch.finalized"):
+    """Every case is exported; the aggregate is final."""
+
+    status: Literal["succeeded", "failed", "cancelled", "superseded"]
+    """Final status."""
+    summary: BatchSummary
+    """The aggregate."""
+    export: ExportSummary = msgspec.field(default_factory=ExportSummary)
+    """Export status."""
+    error: BatchError | None = None
+    """Why it failed."""
+
+    def subject(self) -> str:
+        return s.batch_subject(s.BATCH_FINALIZED, _req(self.batch_id))
+
+
+# ---------------------------------------------------------------- case events
+
+
+class _CaseEvent(_Event, frozen=True, kw_only=True):
+    STAGE: ClassVar[str] = ""
+
+    def subject(self) -> str:
+        return s.case_subject(self.type, _req(self.batch_id), _req(self.case_id))
+
+
+class CaseRequested(_CaseEvent, frozen=True, kw_only=True, tag="case.requested"):
+    """One case × trial to execute."""
+
+    trial: int | None = None
+    """Trial number when trials > 1."""
+    case: CaseSpec
+    """The case."""
+    harness: HarnessSpec
+    """The agent."""
+    plan: CasePlan
+    """What later stages need."""
+
+
+class CaseExecuted(_CaseEvent, frozen=True, kw_only=True, tag="case.executed"):
+    """The sandbox ran and was released."""
+
+    status: Literal["succeeded", "failed", "cancelled"]
+    """Execution outcome."""
+    result: CaseResult
+    """Scores so far, trace, snapshot, failure, trace reference."""
+    plan: CasePlan
+    """Carried forward."""
+    trace_complete: bool = True
+    """False when the collector still has to pull the trace (`control-plane` collect)."""
+    deferred_graders: tuple[str, ...] = ()
+    """Ids of observation graders left to the collector."""
+    rejudge_of: str | None = None
+    """Original batch id when this is a re-judge replay."""
+
+
+class CaseCollected(_CaseEvent, frozen=True, kw_only=True, tag="case.collected"):
+    """The collector completed a deferred trace and graded what was deferred."""
+
+    result: CaseResult
+    """The completed result."""
+    plan: CasePlan
+    """Carried forward."""
+
+
+class CaseJudged(_CaseEvent, frozen=True, kw_only=True, tag="case.judged"):
+    """Judges applied (or skipped for a case without an outcome)."""
+
+    status: Literal["judged", "skipped"]
+    """Skipped when execution produced no outcome."""
+    result: CaseResult
+    """Result with judge scores appended in selection order."""
+    plan: CasePlan
+    """Carried forward."""
+    judge_error: str | None = None
+    """An error that escaped a judge (marks the batch `error.phase = judges`)."""
+
+
+class CaseExported(_CaseEvent, frozen=True, kw_only=True, tag="case.exported"):
+    """The case went to every sink (or there was none)."""
+
+    status: Literal["exported", "partial", "failed", "skipped"]
+    """Aggregate over sinks."""
+    outcomes: tuple[SinkOutcome, ...] = ()
+    """Per sink."""
+
+
+class CaseObserved(_Event, frozen=True, kw_only=True, tag="case.observed"):
+    """A sampled production observation, ready for the judges (online evaluation)."""
+
+    suite_id: str
+    """Online suite (target) it was sampled for."""
+    observation_id: str
+    """Observation id, unique per suite."""
+    result: CaseResult
+    """The observation as a case result."""
+    plan: CasePlan
+    """Judges to apply."""
+    expected: str | None = None
+    """Reference answer, if any."""
+
+    def subject(self) -> str:
+        return s.case_subject(s.CASE_OBSERVED, self.suite_id, self.observation_id)
+
+    def msg_id(self) -> str:
+        return f"{self.type}:{self.suite_id}:{self.observation_id}"
+
+
+# ---------------------------------------------------------------- live events (LIVE stream)
+
+
+class LiveLog(_Event, frozen=True, kw_only=True, tag="live.log"):
+    """A chunk of the harness's output while it runs."""
+
+    seq: int
+    """Chunk number within the run."""
+    stream: Literal["stdout", "stderr"]
+    """Which stream."""
+    text: str
+    """The chunk (event lines stripped)."""
+
+    def subject(self) -> str:
+        return s.live_subject(_req(self.run_id), "log")
+
+    def msg_id(self) -> str:
+        return f"{self.type}:{self.run_id}:{self.attempt}:{self.stream}:{self.seq}"
+
+
+class LiveTrace(_Event, frozen=True, kw_only=True, tag="live.trace"):
+    """Trace events of a running run, before it seals."""
+
+    seq: int
+    """Batch number within the run."""
+    events: tuple[TraceEvent, ...]
+    """The events."""
+
+    def subject(self) -> str:
+        return s.live_subject(_req(self.run_id), "trace")
+
+    def msg_id(self) -> str:
+        return f"{self.type}:{self.run_id}:{self.attempt}:{self.seq}"
+
+
+class InfraMark(_Event, frozen=True, kw_only=True, tag="live.infra"):
+    """An infrastructure mark (accepted, waiting, started, placed, released)."""
+
+    mark: Infra
+    """The mark, as it also appears in the sealed trace."""
+
+    def subject(self) -> str:
+        return s.live_subject(_req(self.run_id), "infra")
+
+    def msg_id(self) -> str:
+        return f"{self.type}:{self.run_id}:{self.attempt}:{self.mark.event}"
+
+
+# ---------------------------------------------------------------- observations and dead letters
+
+
+class ObservationReceived(_Event, frozen=True, kw_only=True, tag="obs.received"):
+    """A production trace offered for online evaluation."""
+
+    target: str
+    """Online suite it is offered to."""
+    observation_id: str
+    """Unique id of the observation."""
+    trace_id: str | None = None
+    """OpenTelemetry trace id (32 hex), the sampling key."""
+    input: str | None = None
+    """What the user asked."""
+    output: str | None = None
+    """What the agent answered."""
+    expected: str | None = None
+    """Reference answer, when known."""
+    trace: tuple[TraceEvent, ...] = ()
+    """The production trace."""
+    metadata: dict[str, str] = msgspec.field(default_factory=dict)
+    """Free key/values."""
+
+    def subject(self) -> str:
+        return s.observation_subject(self.target)
+
+    def msg_id(self) -> str:
+        return f"{self.type}:{self.target}:{self.observation_id}"
+
+
+class DeadLetter(_Event, frozen=True, kw_only=True, tag="dlq"):
+    """A message a service could not handle, with the reason and the raw payload."""
+
+    service: str
+    """Service that gave up."""
+    reason: str
+    """Why (decode error, poison decision, max deliveries exhausted)."""
+    subject_: str = msgspec.field(name="subject")
+    """Subject of the original message."""
+    stream: str | None = None
+    """Stream of the original message."""
+    stream_seq: int | None = None
+    """Stream sequence of the original message."""
+    deliveries: int | None = None
+    """Delivery count when it was given up."""
+    payload: str = ""
+    """Original payload (UTF-8, undecodable bytes replaced)."""
+    headers: dict[str, str] = msgspec.field(default_factory=dict)
+    """Original headers."""
+
+    def subject(self) -> str:
+        return s.dlq_subject(self.service)
+
+    def msg_id(self) -> str:
+        return f"{self.type}:{self.service}:{self.stream}:{self.stream_seq}:{self.event_id}"
+
+
+Event = (
+    BatchRequested
+    | BatchCancelled
+    | BatchFinalized
+    | CaseRequested
+    | CaseExecuted
+    | CaseCollected
+    | CaseJudged
+    | CaseExported
+    | CaseObserved
+    | LiveLog
+    | LiveTrace
+    | InfraMark
+    | ObservationReceived
+    | DeadLetter
+)
+"""Any event, discriminated on `type`."""
+
+EVENT_TYPES: tuple[type[_Event], ...] = (
+    BatchRequested,
+    BatchCancelled,
+    BatchFinalized,
+    CaseRequested,
+    CaseExecuted,
+    CaseCollected,
+    CaseJudged,
+    CaseExported,
+    CaseObserved,
+    LiveLog,
+    LiveTrace,
+    InfraMark,
+    ObservationReceived,
+    DeadLetter,
+)
+
+EventBase = _Event
+"""Base class of every event (for typing)."""
+
+
+def _req(value: str | None) -> str:
+    if value is None:
+        raise ValueError("this event needs the id to build its subject")
+    return value

@@ -1,0 +1,20 @@
+"""JSON Schemas of every event and of the batch spec, for `docs/schemas/` (pure: returns data)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from evalbus_contracts.events import EVENT_TYPES
+from evalbus_contracts.specs import BatchSpec
+
+
+def schemas() -> dict[str, dict[str, Any]]:
+    """File name → JSON Schema, one per event type plus the batch spec."""
+    out: dict[str, dict[str, Any]] = {}
+    for kind in EVENT_TYPES:
+        tag = str(kind.__struct_config__.tag)
+        out[f"{tag}.json"] = msgspec.json.schema(kind)
+    out["batch-spec.json"] = msgspec.json.schema(BatchSpec)
+    return out

@@ -1,0 +1,363 @@
+"""What a team submits: a suite of cases, a harness, graders, judges, sinks and batch policy.
+
+Specs carry secret *names* only; values are resolved where they are used and never published.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+TraceKind = Literal["none", "otel", "mlflow", "langfuse", "langsmith", "phoenix"]
+"""Where a harness exports its trace (`none`: only what it prints)."""
+PlatformKind = Literal["otel", "mlflow", "langfuse", "langsmith", "phoenix"]
+"""The trace platforms evalbus reads from and exports to."""
+CollectMode = Literal["job", "control-plane"]
+"""Who pulls the platform trace: the dispatcher after release, or the collector later."""
+Correlate = Literal["id", "tag"]
+"""How a trace is found: the platform trace id is the run id, or the run id is a tag on it."""
+
+
+class _Spec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False, omit_defaults=True):
+    pass
+
+
+# ---------------------------------------------------------------- graders
+
+
+class _Grader(_Spec, frozen=True, kw_only=True, tag_field="kind"):
+    id: str
+    """Grader id, unique within the case; also the score's `grader_id`."""
+
+
+class TestsPassGrader(_Grader, frozen=True, kw_only=True, tag="tests-pass"):
+    """Ground truth: run a command in the sandbox; pass when it exits 0. Metric `tests_pass`."""
+
+    __test__ = False
+    command: str
+    """Shell command run in the case's workdir."""
+    timeout_s: float = 600.0
+    """Seconds before the command is killed (a `grader_timeout`)."""
+
+
+class CommandGrader(_Grader, frozen=True, kw_only=True, tag="command"):
+    """Objective check in the sandbox: pass when stdout matches `pass_pattern`, else on `expect_exit`."""
+
+    command: str
+    """Shell command run in the case's workdir."""
+    metric: str = "command"
+    """Metric name of the score."""
+    pass_pattern: str | None = None
+    """Regex searched in stdout; when set it decides pass."""
+    expect_exit: int = 0
+    """Exit code that passes when no pattern is set."""
+    timeout_s: float = 1800.0
+    """Seconds before the command is killed."""
+
+
+class ScriptScoreGrader(_Grader, frozen=True, kw_only=True, tag="script-score"):
+    """Run a script in the sandbox that prints `SCORE=<number>`; pass at or above the threshold."""
+
+    command: str
+    """Shell command run in the case's workdir."""
+    metric: str = "score"
+    """Metric name of the score."""
+    pass_threshold: float = 0.6
+    """Minimum score that passes."""
+    timeout_s: float = 600.0
+    """Seconds before the command is killed."""
+
+
+class AnswerMatchGrader(_Grader, frozen=True, kw_only=True, tag="answer-match"):
+    """Objective: the final answer against the case's `expected`. Metric `answer_match`."""
+
+    mode: Literal["exact", "contains", "normalized"] = "normalized"
+    """`exact` string equality, `contains` substring, `normalized` case/space/punctuation-insensitive equality."""
+
+
+class TextMetricGrader(_Grader, frozen=True, kw_only=True, tag="text-metric"):
+    """Observation: a number captured by a regex from the final answer (group 1). No pass."""
+
+    pattern: str
+    """Regex with one capture group holding a number."""
+    metric: str = "text"
+    """Metric name of the score."""
+
+
+class StepsGrader(_Grader, frozen=True, kw_only=True, tag="steps"):
+    """Observation: the number of tool calls. Metric `tool_calls`; pass when at most `max_steps`."""
+
+    max_steps: int | None = None
+    """Optional budget; when set the score has pass/fail."""
+
+
+class CostGrader(_Grader, frozen=True, kw_only=True, tag="cost"):
+    """Observation: the sum of `llm_call` cost. Metric `cost_usd`. Never decides a verdict."""
+
+    max_usd: float | None = None
+    """Optional budget."""
+
+
+class LatencyGrader(_Grader, frozen=True, kw_only=True, tag="latency"):
+    """Observation: the span from first to last trace event, in seconds. Metric `latency_s`."""
+
+    max_s: float | None = None
+    """Optional budget."""
+
+
+GraderSpec = (
+    TestsPassGrader
+    | CommandGrader
+    | ScriptScoreGrader
+    | AnswerMatchGrader
+    | TextMetricGrader
+    | StepsGrader
+    | CostGrader
+    | LatencyGrader
+)
+"""Any grader, discriminated on `kind`."""
+
+COMPUTE_GRADER_KINDS: frozenset[str] = frozenset({"tests-pass", "command", "script-score"})
+"""Grader kinds that run in the sandbox and must finish before it is released."""
+
+
+def needs_compute(grader: GraderSpec) -> bool:
+    """Whether a grader needs the sandbox (the partition rule shared by dispatcher and collector)."""
+    return type(grader).__struct_config__.tag in COMPUTE_GRADER_KINDS
+
+
+# ---------------------------------------------------------------- cases and suites
+
+
+class CaseSpec(_Spec, frozen=True, kw_only=True):
+    """One case of a dataset."""
+
+    id: str
+    """Case id, unique in the suite."""
+    input: str
+    """The task given to the harness (stdin and the file named by `EVALBUS_INPUT_FILE`)."""
+    expected: str | None = None
+    """The expected answer, for answer-match graders and rule judges."""
+    graders: tuple[GraderSpec, ...] = ()
+    """Graders in score order."""
+    tags: tuple[str, ...] = ()
+    """Free tags."""
+    timeout_s: float | None = None
+    """Per-case harness timeout; falls back to the harness's."""
+    metadata: dict[str, str] = msgspec.field(default_factory=dict)
+    """Opaque key/values passed through to results and sinks."""
+
+
+class SuiteSpec(_Spec, frozen=True, kw_only=True):
+    """A dataset of cases."""
+
+    id: str
+    """Suite id."""
+    version: str = "1"
+    """Suite version."""
+    description: str | None = None
+    """Free text."""
+    cases: tuple[CaseSpec, ...]
+    """The cases."""
+    tags: tuple[str, ...] = ()
+    """Free tags."""
+
+
+# ---------------------------------------------------------------- harness and trace
+
+
+class TraceSpec(_Spec, frozen=True, kw_only=True):
+    """Where the harness's trace lives and how evalbus collects it."""
+
+    kind: TraceKind = "none"
+    """Platform kind; `none` means the trace is what the harness prints."""
+    endpoint: str | None = None
+    """Platform base URL."""
+    collect: CollectMode = "job"
+    """`job`: pulled by the dispatcher after release; `control-plane`: pulled by the collector."""
+    correlate: Correlate = "id"
+    """How the trace is found from the run id."""
+    auth_secret: str | None = None
+    """Secret *name* for the platform's auth; never the value."""
+    experiment: str | None = None
+    """MLflow experiment id (scopes tag search)."""
+    project: str | None = None
+    """Phoenix / LangSmith / Langfuse project."""
+    service: str | None = None
+    """OpenTelemetry service name (Jaeger-style tag search needs it)."""
+    mapping: dict[str, str] = msgspec.field(default_factory=dict)
+    """Per-harness overrides of span attribute → trace event field."""
+
+
+class CommandHarness(_Spec, frozen=True, kw_only=True, tag_field="kind", tag="command"):
+    """An agent run as a command: input on stdin, answer on stdout, trace events on stdout lines."""
+
+    id: str
+    """Harness id."""
+    version: str = "1"
+    """Harness version."""
+    command: tuple[str, ...]
+    """argv of the agent (no shell)."""
+    env: dict[str, str] = msgspec.field(default_factory=dict)
+    """Extra environment (plain values only)."""
+    secret_env: dict[str, str] = msgspec.field(default_factory=dict)
+    """Environment variable → secret *name*, resolved by the dispatcher at start."""
+    files: dict[str, str] = msgspec.field(default_factory=dict)
+    """Relative path → content, written into the workdir before the run."""
+    timeout_s: float = 600.0
+    """Seconds before the process group is killed (exit 124)."""
+    trace: TraceSpec = msgspec.field(default_factory=TraceSpec)
+    """Trace platform and collection."""
+
+
+HarnessSpec = CommandHarness
+"""Any harness (only the command harness today)."""
+
+
+# ---------------------------------------------------------------- judges
+
+
+class _Judge(_Spec, frozen=True, kw_only=True, tag_field="kind"):
+    id: str
+    """Judge id (no `:`); its metric is `judge:<id>`."""
+
+
+class ExactJudge(_Judge, frozen=True, kw_only=True, tag="exact"):
+    """Rule: the answer equals `expected`."""
+
+    case_sensitive: bool = False
+    """Compare case-sensitively."""
+    strip: bool = True
+    """Strip surrounding whitespace first."""
+
+
+class ContainsJudge(_Judge, frozen=True, kw_only=True, tag="contains"):
+    """Rule: the answer contains `expected`."""
+
+    case_sensitive: bool = False
+    """Compare case-sensitively."""
+
+
+class RegexJudge(_Judge, frozen=True, kw_only=True, tag="regex"):
+    """Rule: the answer matches a pattern (`expected` when no pattern is given)."""
+
+    pattern: str | None = None
+    """Regex searched in the answer."""
+
+
+class JsonSchemaJudge(_Judge, frozen=True, kw_only=True, tag="json-schema"):
+    """Rule: the answer is JSON valid against a schema."""
+
+    json_schema: dict[str, Any] = msgspec.field(name="schema")
+    """JSON Schema (the subset: type, properties, required, items, enum, const, minimum, maximum)."""
+
+
+class NumericJudge(_Judge, frozen=True, kw_only=True, tag="numeric"):
+    """Rule: the first number in the answer is within tolerance of `expected`."""
+
+    tolerance: float = 1e-6
+    """Allowed absolute difference (relative when `relative`)."""
+    relative: bool = False
+    """Tolerance is relative to |expected|."""
+
+
+class ModelJudge(_Judge, frozen=True, kw_only=True, tag="model"):
+    """An LLM judge over the OpenAI-compatible chat-completions API, scoring a rubric 0..1."""
+
+    base_url: str | None = None
+    """API base URL (…/v1); unset means the judge service's default endpoint, if any."""
+    model: str = "gpt-4o-mini"
+    """Model name."""
+    api_key_secret: str | None = None
+    """Secret *name* holding the API key."""
+    rubric: str
+    """What to judge."""
+    pass_threshold: float = 0.5
+    """Score at or above which the case passes, when the model gives no pass."""
+    timeout_s: float = 60.0
+    """Per-request timeout."""
+    max_retries: int = 3
+    """Retries on 429/5xx (honouring Retry-After, bounded)."""
+
+
+class EmbeddingJudge(_Judge, frozen=True, kw_only=True, tag="embedding"):
+    """Cosine similarity between answer and `expected` embeddings on a local model."""
+
+    threshold: float = 0.8
+    """Similarity at or above which the case passes."""
+
+
+class RegisteredJudge(_Judge, frozen=True, kw_only=True, tag="registered"):
+    """A judge the judge service may have registered under a name; unknown names are `unsupported`."""
+
+    name: str
+    """Registry name."""
+    params: dict[str, str] = msgspec.field(default_factory=dict)
+    """Parameters for the registered judge."""
+
+
+JudgeSpec = ExactJudge | ContainsJudge | RegexJudge | JsonSchemaJudge | NumericJudge | ModelJudge | EmbeddingJudge | RegisteredJudge
+"""Any judge, discriminated on `kind`."""
+
+
+# ---------------------------------------------------------------- sinks
+
+
+class JsonlSink(_Spec, frozen=True, kw_only=True, tag_field="kind", tag="jsonl"):
+    """One JSON line per case in a file (idempotent on redelivery)."""
+
+    path: str
+    """File path on the exporter's machine; `{batch}` is replaced by the batch id."""
+
+
+class PlatformSink(_Spec, frozen=True, kw_only=True, tag_field="kind", tag="platform"):
+    """Export judged cases to a trace platform."""
+
+    platform: PlatformKind
+    """Which platform."""
+    endpoint: str
+    """Base URL."""
+    auth_secret: str | None = None
+    """Secret *name* for the platform's auth."""
+    experiment: str | None = None
+    """MLflow experiment name or id."""
+    project: str | None = None
+    """Project (Phoenix, LangSmith, Langfuse)."""
+
+
+SinkSpec = JsonlSink | PlatformSink
+"""Any sink, discriminated on `kind`."""
+
+
+# ---------------------------------------------------------------- batch
+
+
+class BatchPolicy(_Spec, frozen=True, kw_only=True):
+    """How a batch runs."""
+
+    concurrency: int = 0
+    """Max sandboxes for this batch across replicas (0: no batch limit beyond compute slots)."""
+    trials: int = 1
+    """Runs per case (pass@k when > 1)."""
+    retries: int = 1
+    """Retries of retryable infrastructure failures per run."""
+
+
+class BatchSpec(_Spec, frozen=True, kw_only=True):
+    """A batch as submitted to the gateway."""
+
+    suite: SuiteSpec
+    """The dataset."""
+    harness: HarnessSpec
+    """The agent."""
+    judges: tuple[JudgeSpec, ...] = ()
+    """Judges in selection order."""
+    sinks: tuple[SinkSpec, ...] = ()
+    """Export sinks."""
+    policy: BatchPolicy = msgspec.field(default_factory=BatchPolicy)
+    """Concurrency, trials, retries."""
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+    """Free labels."""
+    supersede_key: str | None = None
+    """Submitting another batch with this key supersedes open batches with the same key."""

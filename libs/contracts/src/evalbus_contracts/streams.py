@@ -1,0 +1,102 @@
+"""Stream and consumer definitions as data: created idempotently by the runtime at start.
+
+Global limits live here as `max_ack_pending`, which JetStream enforces across all replicas:
+four cases judged at once and two exported at once, whatever the number of replicas.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+
+class StreamDef(msgspec.Struct, frozen=True, kw_only=True):
+    """A JetStream stream."""
+
+    name: str
+    """Stream name."""
+    subjects: tuple[str, ...]
+    """Subjects it captures."""
+    retention: Literal["limits", "workqueue", "interest"] = "limits"
+    """Retention policy."""
+    max_age_s: float = 0.0
+    """Oldest message kept, seconds (0: forever)."""
+    max_msgs_per_subject: int = -1
+    """Ring size per subject (-1: unlimited)."""
+    duplicate_window_s: float = 3600.0
+    """`Nats-Msg-Id` deduplication window, seconds."""
+    max_msg_size: int = -1
+    """Largest message accepted (-1: server limit)."""
+
+
+class ConsumerDef(msgspec.Struct, frozen=True, kw_only=True):
+    """A shared durable pull consumer; every replica of a service binds to the same one."""
+
+    durable: str
+    """Durable name."""
+    stream: str
+    """Stream it reads."""
+    filter_subjects: tuple[str, ...]
+    """Subjects it receives."""
+    ack_wait_s: float = 30.0
+    """Redelivery after this long without ack or `in_progress`."""
+    max_deliver: int = 5
+    """Deliveries before the message is given up (and copied to the DLQ)."""
+    max_ack_pending: int = 1000
+    """Unacknowledged messages across all replicas: the global concurrency limit."""
+    backoff_s: tuple[float, ...] = ()
+    """Redelivery delays after ack-wait expiries (JetStream `backoff`)."""
+
+
+CASES = StreamDef(name="CASES", subjects=("batch.>", "case.>"), duplicate_window_s=3600.0)
+LIVE = StreamDef(
+    name="LIVE", subjects=("run.*.live.>",), max_age_s=15 * 60.0, max_msgs_per_subject=2000, duplicate_window_s=120.0
+)
+OBSERVATIONS = StreamDef(
+    name="OBSERVATIONS", subjects=("obs.>",), retention="workqueue", max_age_s=24 * 3600.0, duplicate_window_s=3600.0
+)
+DLQ = StreamDef(name="DLQ", subjects=("dlq.>",), duplicate_window_s=120.0)
+
+STREAMS: tuple[StreamDef, ...] = (CASES, LIVE, OBSERVATIONS, DLQ)
+
+DISPATCHER_BATCHES = ConsumerDef(
+    durable="dispatcher-batches", stream="CASES", filter_subjects=("batch.requested.>",), max_ack_pending=64
+)
+DISPATCHER_CASES = ConsumerDef(
+    durable="dispatcher-cases", stream="CASES", filter_subjects=("case.requested.>",), max_ack_pending=1000
+)
+COLLECTOR_CASES = ConsumerDef(
+    durable="collector-cases", stream="CASES", filter_subjects=("case.executed.>",), max_ack_pending=256
+)
+COLLECTOR_OBSERVATIONS = ConsumerDef(
+    durable="collector-observations", stream="OBSERVATIONS", filter_subjects=("obs.>",), max_ack_pending=256
+)
+JUDGE_CASES = ConsumerDef(
+    durable="judge-cases",
+    stream="CASES",
+    filter_subjects=("case.executed.>", "case.collected.>", "case.observed.>"),
+    max_ack_pending=4,
+    ack_wait_s=60.0,
+)
+EXPORTER_CASES = ConsumerDef(
+    durable="exporter-cases", stream="CASES", filter_subjects=("case.judged.>",), max_ack_pending=2, ack_wait_s=60.0
+)
+GATEWAY_RECORDER = ConsumerDef(
+    durable="gateway-recorder", stream="CASES", filter_subjects=("batch.>", "case.>"), max_ack_pending=20000
+)
+
+CONSUMERS: tuple[ConsumerDef, ...] = (
+    DISPATCHER_BATCHES,
+    DISPATCHER_CASES,
+    COLLECTOR_CASES,
+    COLLECTOR_OBSERVATIONS,
+    JUDGE_CASES,
+    EXPORTER_CASES,
+    GATEWAY_RECORDER,
+)
+
+
+def max_deliveries_advisory(consumer: ConsumerDef) -> str:
+    """Advisory subject JetStream publishes when a message of `consumer` exhausts `max_deliver`."""
+    return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{consumer.stream}.{consumer.durable}"

@@ -1,0 +1,57 @@
+"""Subject builders. Ids become tokens with the one reversible encoding in `ids`."""
+
+from __future__ import annotations
+
+from evalbus_contracts.ids import encode_token
+
+BATCH_REQUESTED = "batch.requested"
+BATCH_CANCELLED = "batch.cancelled"
+BATCH_FINALIZED = "batch.finalized"
+CASE_REQUESTED = "case.requested"
+CASE_EXECUTED = "case.executed"
+CASE_COLLECTED = "case.collected"
+CASE_JUDGED = "case.judged"
+CASE_EXPORTED = "case.exported"
+CASE_OBSERVED = "case.observed"
+OBS_RECEIVED = "obs.received"
+
+
+def batch_subject(kind: str, batch_id: str) -> str:
+    """`batch.<kind>.<batch>`."""
+    return f"{kind}.{encode_token(batch_id)}"
+
+
+def case_subject(kind: str, batch_id: str, case_id: str) -> str:
+    """`case.<stage>.<batch>.<case>`."""
+    return f"{kind}.{encode_token(batch_id)}.{encode_token(case_id)}"
+
+
+def batch_filter(batch_id: str) -> list[str]:
+    """Subjects of every event of one batch (for SSE and replays)."""
+    tok = encode_token(batch_id)
+    return [f"batch.*.{tok}", f"case.*.{tok}.*"]
+
+
+def live_subject(run_id: str, channel: str) -> str:
+    """`run.<run>.live.<channel>` with channel `log`, `trace` or `infra`."""
+    return f"run.{encode_token(run_id)}.live.{channel}"
+
+
+def live_filter(run_id: str) -> str:
+    """Every live subject of one run."""
+    return f"run.{encode_token(run_id)}.live.>"
+
+
+def observation_subject(target: str) -> str:
+    """`obs.received.<target>`."""
+    return f"{OBS_RECEIVED}.{encode_token(target)}"
+
+
+def dlq_subject(service: str) -> str:
+    """`dlq.<service>`."""
+    return f"dlq.{encode_token(service)}"
+
+
+def control_subject(run_id: str, action: str) -> str:
+    """Request/reply subject for actions on a live sandbox (`exec`, `screen`...)."""
+    return f"ctl.{encode_token(run_id)}.{action}"

@@ -1,0 +1,142 @@
+"""The trace event union: what a run did, in order, as evidence for graders, judges and viewers.
+
+Every event carries `t`, seconds since the run's start, and optional span ids so platform
+traces keep their shape. The union is tagged on `kind`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+
+class _TraceBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", omit_defaults=True):
+    t: float = 0.0
+    """Seconds since the run started (the harness's clock)."""
+    span_id: str | None = None
+    """Span id (hex) when the event came from a platform trace."""
+    parent_id: str | None = None
+    """Parent span id (hex), if any."""
+    duration_ms: float | None = None
+    """Duration of the step in milliseconds, when known."""
+
+
+class Message(_TraceBase, frozen=True, kw_only=True, tag="message"):
+    """A conversation message; the last assistant message is the run's answer."""
+
+    role: Literal["user", "assistant", "system"]
+    """Who spoke."""
+    text: str
+    """What was said."""
+
+
+class LlmCall(_TraceBase, frozen=True, kw_only=True, tag="llm_call"):
+    """One model call."""
+
+    model: str
+    """Model name as the provider reports it."""
+    input_tokens: int | None = None
+    """Prompt tokens."""
+    output_tokens: int | None = None
+    """Completion tokens."""
+    cost_usd: float | None = None
+    """Cost of the call in US dollars."""
+    latency_ms: float | None = None
+    """Wall time of the call in milliseconds."""
+
+
+class ToolCall(_TraceBase, frozen=True, kw_only=True, tag="tool_call"):
+    """The agent asked for a tool."""
+
+    id: str
+    """Call id, matching the `tool_result`."""
+    name: str
+    """Tool name."""
+    args: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Arguments as the agent passed them (opaque JSON object)."""
+
+
+class ToolResult(_TraceBase, frozen=True, kw_only=True, tag="tool_result"):
+    """A tool answered."""
+
+    id: str
+    """Call id of the `tool_call` this answers."""
+    ok: bool = True
+    """Whether the tool succeeded."""
+    output: str = ""
+    """Tool output (text)."""
+
+
+class EnvAction(_TraceBase, frozen=True, kw_only=True, tag="env_action"):
+    """An action on the environment (a click, a file write...)."""
+
+    action: str
+    """What was done."""
+    detail: str | None = None
+    """Free-form detail."""
+
+
+class Error(_TraceBase, frozen=True, kw_only=True, tag="error"):
+    """Something went wrong during the run (it may still have produced an answer)."""
+
+    message: str
+    """Human-readable error."""
+
+
+class Log(_TraceBase, frozen=True, kw_only=True, tag="log"):
+    """Output of the harness process (the stderr tail for harnesses without a trace)."""
+
+    stream: Literal["stdout", "stderr"]
+    """Which stream."""
+    text: str
+    """The text (tails are capped at 16 KB)."""
+
+
+class Artifact(_TraceBase, frozen=True, kw_only=True, tag="artifact"):
+    """A file the run produced, stored in the object store, referenced by name and digest."""
+
+    name: str
+    """Artifact name."""
+    ref: str
+    """Object-store name (bucket/key)."""
+    sha256: str | None = None
+    """SHA-256 of the bytes; readers verify it."""
+    media_type: str | None = None
+    """MIME type."""
+    role: str | None = None
+    """What the artifact is for (screenshot, stdout...)."""
+
+
+class Span(_TraceBase, frozen=True, kw_only=True, tag="span"):
+    """A platform span that maps to no richer kind."""
+
+    name: str
+    """Span name."""
+    attributes: dict[str, str] = msgspec.field(default_factory=dict)
+    """Span attributes, stringified."""
+
+
+class Infra(_TraceBase, frozen=True, kw_only=True, tag="infra"):
+    """Infrastructure evidence: placement and lifecycle marks (accepted, started, released...)."""
+
+    scope: Literal["placement", "service"]
+    """Placement of the sandbox, or a service of its topology."""
+    event: str | None = None
+    """Short machine name of the mark (`accepted`, `started`, `released`...)."""
+    message: str = ""
+    """Human-readable text."""
+    unit: str | None = None
+    """Backend unit (process group, allocation, pod)."""
+    node: str | None = None
+    """Node the unit ran on."""
+    service: str | None = None
+    """Service name for scope `service`."""
+
+
+TraceEvent = Message | LlmCall | ToolCall | ToolResult | EnvAction | Error | Log | Artifact | Span | Infra
+"""Any trace event, discriminated on `kind`."""
+
+TRACE_KINDS: tuple[str, ...] = (
+    "message", "llm_call", "tool_call", "tool_result", "env_action", "error", "log", "artifact", "span", "infra",
+)

@@ -1,0 +1,1 @@
+"""evalbus package."""

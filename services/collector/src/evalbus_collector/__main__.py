@@ -1,0 +1,5 @@
+"""Entry point: python -m evalbus_collector."""
+
+
+def main() -> None:
+    raise SystemExit(0)

@@ -1,0 +1,5 @@
+"""Entry point: python -m evalbus_gateway."""
+
+
+def main() -> None:
+    raise SystemExit(0)
