@@ -161,6 +161,8 @@ class CaseExecuted(_CaseEvent, frozen=True, kw_only=True, tag="case.executed"):
     """Scores so far, trace, snapshot, failure, trace reference."""
     plan: CasePlan
     """Carried forward."""
+    case: CaseSpec | None = None
+    """The case (input, expected, graders), carried forward for graders and judges."""
     trace_complete: bool = True
     """False when the collector still has to pull the trace (`control-plane` collect)."""
     deferred_graders: tuple[str, ...] = ()
@@ -176,6 +178,8 @@ class CaseCollected(_CaseEvent, frozen=True, kw_only=True, tag="case.collected")
     """The completed result."""
     plan: CasePlan
     """Carried forward."""
+    case: CaseSpec | None = None
+    """The case (input, expected, graders), carried forward for graders and judges."""
 
 
 class CaseJudged(_CaseEvent, frozen=True, kw_only=True, tag="case.judged"):
@@ -187,6 +191,8 @@ class CaseJudged(_CaseEvent, frozen=True, kw_only=True, tag="case.judged"):
     """Result with judge scores appended in selection order."""
     plan: CasePlan
     """Carried forward."""
+    case: CaseSpec | None = None
+    """The case (input, expected, graders), carried forward for graders and judges."""
     judge_error: str | None = None
     """An error that escaped a judge (marks the batch `error.phase = judges`)."""
 
@@ -323,7 +329,9 @@ class DeadLetter(_Event, frozen=True, kw_only=True, tag="dlq"):
         return s.dlq_subject(self.service)
 
     def msg_id(self) -> str:
-        return f"{self.type}:{self.service}:{self.stream}:{self.stream_seq}:{self.event_id}"
+        if self.stream_seq is None:
+            return f"{self.type}:{self.service}:{self.event_id}"
+        return f"{self.type}:{self.service}:{self.stream}:{self.stream_seq}"
 
 
 Event = (

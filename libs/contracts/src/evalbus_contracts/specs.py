@@ -297,7 +297,16 @@ class RegisteredJudge(_Judge, frozen=True, kw_only=True, tag="registered"):
     """Parameters for the registered judge."""
 
 
-JudgeSpec = ExactJudge | ContainsJudge | RegexJudge | JsonSchemaJudge | NumericJudge | ModelJudge | EmbeddingJudge | RegisteredJudge
+JudgeSpec = (
+    ExactJudge
+    | ContainsJudge
+    | RegexJudge
+    | JsonSchemaJudge
+    | NumericJudge
+    | ModelJudge
+    | EmbeddingJudge
+    | RegisteredJudge
+)
 """Any judge, discriminated on `kind`."""
 
 

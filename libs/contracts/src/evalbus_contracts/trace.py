@@ -138,5 +138,14 @@ TraceEvent = Message | LlmCall | ToolCall | ToolResult | EnvAction | Error | Log
 """Any trace event, discriminated on `kind`."""
 
 TRACE_KINDS: tuple[str, ...] = (
-    "message", "llm_call", "tool_call", "tool_result", "env_action", "error", "log", "artifact", "span", "infra",
+    "message",
+    "llm_call",
+    "tool_call",
+    "tool_result",
+    "env_action",
+    "error",
+    "log",
+    "artifact",
+    "span",
+    "infra",
 )

@@ -1,0 +1,120 @@
+"""The NATS connection and idempotent creation of the streams and consumers defined in contracts."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+
+import nats
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+from nats.js import api as jsapi
+from nats.js.errors import BadRequestError, NotFoundError
+
+from evalbus_contracts.streams import CONSUMERS, STREAMS, ConsumerDef, StreamDef
+
+log = logging.getLogger("evalbus.bus")
+
+
+async def connect(
+    url: str,
+    name: str,
+    *,
+    on_disconnect: Callable[[], Awaitable[None]] | None = None,
+    on_reconnect: Callable[[], Awaitable[None]] | None = None,
+) -> NatsClient:
+    """Connect with unlimited reconnects to every server in `url` (comma-separated), quiet errors."""
+
+    async def error_cb(e: Exception) -> None:
+        log.warning("nats error: %s", e)
+
+    async def disconnected_cb() -> None:
+        log.warning("nats disconnected")
+        if on_disconnect is not None:
+            await on_disconnect()
+
+    async def reconnected_cb() -> None:
+        log.info("nats reconnected")
+        if on_reconnect is not None:
+            await on_reconnect()
+
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    return await nats.connect(
+        servers=servers,
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        allow_reconnect=True,
+        connect_timeout=5,
+        error_cb=error_cb,
+        disconnected_cb=disconnected_cb,
+        reconnected_cb=reconnected_cb,
+        pending_size=64 * 1024 * 1024,
+    )
+
+
+def stream_config(stream: StreamDef, replicas: int = 1) -> jsapi.StreamConfig:
+    """nats-py config of a stream definition."""
+    return jsapi.StreamConfig(
+        name=stream.name,
+        subjects=list(stream.subjects),
+        retention=jsapi.RetentionPolicy(stream.retention),
+        storage=jsapi.StorageType.FILE,
+        max_age=stream.max_age_s,
+        max_msgs_per_subject=stream.max_msgs_per_subject,
+        duplicate_window=stream.duplicate_window_s,
+        max_msg_size=stream.max_msg_size,
+        num_replicas=replicas,
+    )
+
+
+def consumer_config(consumer: ConsumerDef) -> jsapi.ConsumerConfig:
+    """nats-py config of a consumer definition (explicit ack, deliver all, pull)."""
+    return jsapi.ConsumerConfig(
+        durable_name=consumer.durable,
+        filter_subjects=list(consumer.filter_subjects) if len(consumer.filter_subjects) > 1 else None,
+        filter_subject=consumer.filter_subjects[0] if len(consumer.filter_subjects) == 1 else None,
+        ack_policy=jsapi.AckPolicy.EXPLICIT,
+        deliver_policy=jsapi.DeliverPolicy.ALL,
+        ack_wait=consumer.ack_wait_s,
+        max_deliver=consumer.max_deliver,
+        max_ack_pending=consumer.max_ack_pending,
+        backoff=list(consumer.backoff_s) or None,
+        max_waiting=4096,
+    )
+
+
+async def ensure_stream(js: JetStreamContext, stream: StreamDef, replicas: int = 1) -> None:
+    """Create the stream, or update it when its definition changed."""
+    config = stream_config(stream, replicas)
+    try:
+        await js.add_stream(config)
+    except BadRequestError:
+        await js.update_stream(config)
+
+
+async def ensure_consumer(js: JetStreamContext, consumer: ConsumerDef) -> None:
+    """Create the durable consumer, or update it in place (its ack state is kept)."""
+    await js.add_consumer(consumer.stream, consumer_config(consumer))
+
+
+async def ensure_topology(
+    js: JetStreamContext,
+    streams: Iterable[StreamDef] = STREAMS,
+    consumers: Iterable[ConsumerDef] = CONSUMERS,
+    replicas: int = 1,
+) -> None:
+    """Create every stream and consumer evalbus needs (idempotent; safe from several replicas)."""
+    for stream in streams:
+        await ensure_stream(js, stream, replicas)
+    for consumer in consumers:
+        await ensure_consumer(js, consumer)
+
+
+async def stream_exists(js: JetStreamContext, name: str) -> bool:
+    """Whether a stream exists."""
+    try:
+        await js.stream_info(name)
+    except NotFoundError:
+        return False
+    return True

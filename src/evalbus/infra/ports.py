@@ -1,0 +1,48 @@
+"""Free loopback ports."""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_port(port: int, timeout_s: float = 20.0, host: str = "127.0.0.1") -> None:
+    """Block until something accepts TCP connections on `host:port` (or raise TimeoutError)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s}s") from None
+            time.sleep(0.05)
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether `host:port` can be bound right now (used to keep a remembered port across restarts)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # Servers set SO_REUSEADDR, so a port whose old connections linger in TIME_WAIT is free to them.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def port_listens(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something accepts TCP connections on `host:port` right now."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False

@@ -1,0 +1,94 @@
+"""Session fixtures: a real nats-server on free ports with its own data folder, a fresh PostgreSQL
+database (from `DATABASE_URL`, else the embedded server, else testcontainers where Docker runs),
+and a 3-node NATS cluster on demand. No mock stands in for either."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from evalbus.infra.nats import NatsServer, start_nats, start_nats_cluster
+from evalbus.infra.postgres import create_database, drop_database, start_embedded_postgres
+
+
+@pytest.fixture(scope="session")
+def rig_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder for this session's servers."""
+    return tmp_path_factory.mktemp("rig")
+
+
+@pytest.fixture(scope="session")
+def nats_server(rig_dir: Path) -> Iterator[NatsServer]:
+    """One nats-server with JetStream for the session."""
+    server = start_nats(rig_dir / "nats")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def nats_url(nats_server: NatsServer) -> str:
+    """URL of the session's nats-server."""
+    return nats_server.url
+
+
+@pytest.fixture
+def fresh_nats(tmp_path: Path) -> Iterator[NatsServer]:
+    """A nats-server of the test's own (for tests that restart or reconfigure it)."""
+    server = start_nats(tmp_path / "nats")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def nats_cluster(tmp_path: Path) -> Iterator[list[NatsServer]]:
+    """A 3-node JetStream cluster on loopback, for failover tests."""
+    servers = start_nats_cluster(tmp_path / "cluster", 3)
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+def _testcontainers_url() -> tuple[str, object] | None:
+    if shutil.which("docker") is None:
+        return None
+    try:
+        from testcontainers.postgres import PostgresContainer  # type: ignore[import-not-found]
+
+        container = PostgresContainer("postgres:16-alpine", driver=None)
+        container.start()
+    except Exception:
+        return None
+    return str(container.get_connection_url()), container
+
+
+@pytest.fixture(scope="session")
+def pg_admin_url(rig_dir: Path) -> Iterator[str]:
+    """A PostgreSQL server URL on which tests may create databases."""
+    env = os.environ.get("DATABASE_URL")
+    if env:
+        yield env
+        return
+    try:
+        embedded = start_embedded_postgres(rig_dir / "pg")
+    except Exception:
+        found = _testcontainers_url()
+        if found is None:
+            raise
+        url, container = found
+        yield url
+        container.stop()  # type: ignore[attr-defined]
+        return
+    yield embedded.url
+    embedded.stop()
+
+
+@pytest.fixture
+async def database_url(pg_admin_url: str) -> AsyncIterator[str]:
+    """A fresh, empty database for one test."""
+    url = await create_database(pg_admin_url, "evalbus_test")
+    yield url
+    await drop_database(pg_admin_url, url)
