@@ -1,5 +1,17 @@
-"""Entry point: python -m evalbus_collector."""
+"""Entry point: `python -m evalbus_collector` (or `evalbus-collector`)."""
+
+from evalbus_runtime import Service, ServiceSettings, load_settings, run_service
 
 
 def main() -> None:
-    raise SystemExit(0)
+    """Run the collector until SIGTERM."""
+    settings = load_settings(ServiceSettings, "collector")
+
+    def build(service: Service) -> None:
+        del service  # stage wiring lands with the pipeline
+
+    run_service(settings, build)
+
+
+if __name__ == "__main__":
+    main()

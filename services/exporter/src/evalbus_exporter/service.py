@@ -1,0 +1,37 @@
+"""Wiring of the exporter: the `exporter-cases` consumer (global export concurrency = its
+`max_ack_pending`, default 2) feeding judged cases to their batch's sinks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from evalbus_contracts import CaseJudged
+from evalbus_contracts.events import EventBase
+from evalbus_contracts.streams import EXPORTER_CASES
+from evalbus_exporter.export import SinkCache, SinkFactory, export_case
+from evalbus_exporter.sinks.factory import build_case_sink
+from evalbus_runtime import Delivery, Service, ServiceSettings, Stage
+
+
+class ExporterSettings(ServiceSettings):
+    """Settings of the exporter (`EXPORTER_<KEY>`, then `<KEY>`)."""
+
+    concurrency: int = 4
+    """Cases exported at once by one replica (the global limit is the consumer's max_ack_pending)."""
+
+
+def build_exporter(service: Service, settings: ExporterSettings, factory: SinkFactory = build_case_sink) -> None:
+    """Add the export stage to `service`."""
+    cache = SinkCache(factory)
+
+    async def handle(event: CaseJudged, _: Delivery) -> Sequence[EventBase]:
+        sinks = await cache.for_batch(event.batch_id or "", event.plan.sinks)
+        return [await export_case(event, sinks)]
+
+    async def stop(_: Service) -> None:
+        await cache.close()
+
+    service.on_stop(stop)
+    service.add_stage(
+        Stage(consumer=EXPORTER_CASES, handler=handle, accepts=(CaseJudged,), concurrency=settings.concurrency)
+    )

@@ -1,0 +1,59 @@
+"""Wiring of the judge service: the `judge-cases` consumer (global limit = its `max_ack_pending`)
+feeding ready cases to `judge_event`, and the shared HTTP client's lifecycle."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from evalbus_contracts import CaseCollected, CaseExecuted, CaseObserved
+from evalbus_contracts.events import EventBase
+from evalbus_contracts.streams import JUDGE_CASES
+from evalbus_judge.apply import ReadyEvent, judge_event
+from evalbus_judge.chat import ChatClient
+from evalbus_judge.registry import JudgeRegistry, ModelDefaults
+from evalbus_runtime import Delivery, Poison, Service, ServiceSettings, Stage
+
+
+class JudgeSettings(ServiceSettings):
+    """Settings of the judge service (`JUDGE_<KEY>`, then `<KEY>`)."""
+
+    concurrency: int = 8
+    """Cases judged at once by one replica (the global limit is the consumer's max_ack_pending)."""
+    model_base_url: str | None = None
+    """Default OpenAI-compatible endpoint for model judges that name none."""
+    model_api_key_secret: str | None = None
+    """Secret name of the default endpoint's API key."""
+
+
+def build_judge(service: Service, settings: JudgeSettings, registry: JudgeRegistry | None = None) -> JudgeRegistry:
+    """Add the judge stage to `service`; returns the registry (tests register custom judges on it)."""
+    chat = ChatClient()
+    reg = registry or JudgeRegistry(
+        chat=chat,
+        model_defaults=ModelDefaults(base_url=settings.model_base_url, api_key_secret=settings.model_api_key_secret),
+    )
+
+    async def start(_: Service) -> None:
+        await chat.start()
+
+    async def stop(_: Service) -> None:
+        await chat.close()
+
+    async def handle(event: ReadyEvent, _: Delivery) -> Sequence[EventBase]:
+        try:
+            judged = await judge_event(event, reg)
+        except ValueError as e:
+            raise Poison(str(e)) from e
+        return [] if judged is None else [judged]
+
+    service.on_start(start)
+    service.on_stop(stop)
+    service.add_stage(
+        Stage(
+            consumer=JUDGE_CASES,
+            handler=handle,
+            accepts=(CaseExecuted, CaseCollected, CaseObserved),
+            concurrency=settings.concurrency,
+        )
+    )
+    return reg
