@@ -1,0 +1,194 @@
+"""The judge stage: from a ready case event to its `case.judged` event.
+
+Pure of the bus: the chassis decodes the message, calls `judge_event`, publishes what it returns
+(nothing for a `case.executed` whose trace the collector still has to complete) and acks.
+
+- A case that produced no outcome (cancelled, or failed at dispatch or install, or failed to run
+  without an answer) is `skipped`, its result unchanged, so completion stays "every case exported".
+- Otherwise the batch's judges run one after another in selection order, so scores land in a
+  deterministic order after the grader scores. A judge's own failure — raised or returned — is an
+  `unmeasured` score. Only an exception of the machinery around the judges (resolution, a
+  `JudgeMachineryError`) is recorded as `judge_error`, which marks the batch `error.phase = "judges"`.
+- An observation (`case.observed`, online evaluation) is judged the same way and published as a
+  case of the pseudo-batch `online-<suite id>` with the observation id as case id and the event's
+  run id; its `case` is synthesised from the first user message and the reference answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+
+from evalbus_contracts import (
+    CaseCollected,
+    CaseExecuted,
+    CaseJudged,
+    CaseObserved,
+    CasePlan,
+    CaseResult,
+    CaseSpec,
+    Invalid,
+    Measured,
+    Score,
+    Unmeasured,
+)
+from evalbus_judge.context import JudgeContext, first_user_message, judge_metric, unmeasured
+from evalbus_judge.errors import JudgeMachineryError
+from evalbus_judge.registry import JudgeRegistry, ResolvedJudge
+
+log = logging.getLogger(__name__)
+
+PRE_OUTCOME_STAGES = frozenset({"dispatch", "install"})
+"""Failure stages that leave no outcome to judge."""
+DEFAULT_JUDGE_TIMEOUT_S = 900.0
+"""Longest one judge may take on one case before it is `unmeasured: grader_timeout`."""
+
+JudgedStatus = Literal["judged", "skipped"]
+"""Status of a `case.judged` event."""
+ReadyEvent = CaseExecuted | CaseCollected | CaseObserved
+"""The events the judge stage consumes."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Case:
+    """A ready case, whatever event brought it."""
+
+    batch_id: str
+    case_id: str
+    run_id: str
+    attempt: int
+    result: CaseResult
+    plan: CasePlan
+    case: CaseSpec | None
+    judgeable: bool
+
+
+def online_batch_id(suite_id: str) -> str:
+    """The pseudo-batch an online suite's judged observations belong to."""
+    return f"online-{suite_id}"
+
+
+def has_outcome(result: CaseResult, *, cancelled: bool = False) -> bool:
+    """Whether execution produced something to judge: not cancelled, not failed before running,
+    and a run failure only when it still left an answer. Collect and grade failures keep the outcome."""
+    if cancelled:
+        return False
+    failure = result.failure
+    if failure is None:
+        return True
+    if failure.failure_class == "cancelled" or failure.stage in PRE_OUTCOME_STAGES:
+        return False
+    if failure.stage == "run":
+        return result.answer is not None
+    return True
+
+
+def _ready_case(event: ReadyEvent) -> _Case | None:
+    match event:
+        case CaseExecuted() | CaseCollected():
+            if isinstance(event, CaseExecuted) and not event.trace_complete:
+                return None
+            cancelled = isinstance(event, CaseExecuted) and event.status == "cancelled"
+            return _Case(
+                batch_id=_required(event.batch_id, "batch_id"),
+                case_id=_required(event.case_id, "case_id"),
+                run_id=event.run_id or event.result.run_id,
+                attempt=event.attempt,
+                result=event.result,
+                plan=event.plan,
+                case=event.case,
+                judgeable=has_outcome(event.result, cancelled=cancelled),
+            )
+        case CaseObserved():
+            task = first_user_message(event.result.trace)
+            return _Case(
+                batch_id=online_batch_id(event.suite_id),
+                case_id=event.observation_id,
+                run_id=event.run_id or event.result.run_id,
+                attempt=event.attempt,
+                result=event.result,
+                plan=event.plan,
+                case=CaseSpec(id=event.observation_id, input=task or "", expected=event.expected),
+                judgeable=True,
+            )
+
+
+def _required(value: str | None, name: str) -> str:
+    if not value:
+        raise ValueError(f"a case event without {name} cannot be judged")
+    return value
+
+
+async def judge_event(
+    event: ReadyEvent,
+    registry: JudgeRegistry,
+    *,
+    judge_timeout_s: float | None = DEFAULT_JUDGE_TIMEOUT_S,
+) -> CaseJudged | None:
+    """The `case.judged` event for a ready case, or None for a `case.executed` the collector will
+    complete (ignore and ack it). Raises only `ValueError` for an event without its ids (poison)."""
+    ready = _ready_case(event)
+    if ready is None:
+        return None
+    if not ready.judgeable:
+        return _judged(ready, "skipped", ready.result, None)
+    case_input = ready.case.input if ready.case is not None and ready.case.input else None
+    expected = ready.case.expected if ready.case is not None else None
+    scores: list[Score] = []
+    judge_error: str | None = None
+    try:
+        resolved = registry.resolve(ready.plan.judges, batch_id=ready.batch_id)
+        ctx = JudgeContext.of(ready.result, case_input=case_input, expected=expected)
+        for entry in resolved.judges:
+            scores.append(await run_judge(entry, ctx, timeout_s=judge_timeout_s))
+    except Exception as e:
+        # Not a judge's own failure: the machinery is broken, so the scores so far are kept and
+        # the rest of the judges are not run; `judge_error` marks the batch `error.phase = judges`.
+        log.exception("judge machinery failed on run %s", ready.run_id)
+        judge_error = f"{type(e).__name__}: {e}"
+    result = msgspec.structs.replace(ready.result, scores=(*ready.result.scores, *scores))
+    return _judged(ready, "judged", result, judge_error)
+
+
+async def run_judge(entry: ResolvedJudge, ctx: JudgeContext, *, timeout_s: float | None) -> Score:
+    """One judge on one case. Its own exceptions and overruns become `unmeasured` scores; a
+    `JudgeMachineryError` propagates. The score is stamped with the judge's id, metric and source."""
+    judge_id = entry.judge_id
+    deadline = asyncio.timeout(timeout_s)
+    try:
+        async with deadline:
+            score: object = await entry.judge.judge(ctx)
+    except JudgeMachineryError:
+        raise
+    except TimeoutError as e:
+        detail = f"judge took longer than {timeout_s:g} s" if deadline.expired() else f"timed out: {e}"
+        return unmeasured(judge_id, "grader_timeout", detail, retryable=True)
+    except Exception as e:
+        log.warning("judge %s raised on run %s: %s", judge_id, ctx.run_id, type(e).__name__)
+        return unmeasured(judge_id, "grader_error", f"{type(e).__name__}: {e}", retryable=True)
+    if not isinstance(score, Measured | Unmeasured | Invalid):
+        return Invalid(
+            grader_id=judge_id,
+            metric=judge_metric(judge_id),
+            source="judge",
+            detail=f"judge returned {type(score).__name__}, not a score",
+        )
+    return msgspec.structs.replace(score, grader_id=judge_id, metric=judge_metric(judge_id), source="judge")
+
+
+def _judged(ready: _Case, status: JudgedStatus, result: CaseResult, judge_error: str | None) -> CaseJudged:
+    return CaseJudged(
+        batch_id=ready.batch_id,
+        case_id=ready.case_id,
+        run_id=ready.run_id,
+        attempt=ready.attempt,
+        status=status,
+        result=result,
+        plan=ready.plan,
+        case=ready.case,
+        judge_error=judge_error,
+    )

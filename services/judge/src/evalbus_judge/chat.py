@@ -1,0 +1,214 @@
+"""The OpenAI-compatible chat-completions transport: one shared aiohttp session per process,
+`POST {base_url}/chat/completions`, bounded retries on 429 (honouring `Retry-After`), 408 and
+5xx, timeouts and dropped connections.
+
+The API key is sent only in the `Authorization` header and is scrubbed from every detail this
+module produces (a misbehaving server may echo the request back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from typing import Any, Literal
+
+import aiohttp
+import msgspec
+
+from evalbus_judge.errors import JudgeMachineryError
+from evalbus_runtime.secrets import SecretValue
+
+log = logging.getLogger(__name__)
+
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+"""Statuses worth another attempt; any other 5xx is retried too."""
+BODY_EXCERPT = 300
+"""Characters of an error body quoted in a failure detail."""
+
+FailureKind = Literal["timeout", "rate_limited", "server_error", "connection", "client_error", "protocol"]
+"""Why a completion produced no usable body."""
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How long a completion may wait between attempts."""
+
+    base_delay_s: float = 0.5
+    """First backoff delay; doubles per retry (with jitter)."""
+    max_delay_s: float = 20.0
+    """Longest single backoff delay (a server's `Retry-After` is honoured up to the total budget)."""
+    max_total_wait_s: float = 60.0
+    """Most time spent waiting between attempts of one completion; beyond it the completion gives up."""
+
+    def backoff(self, retry: int) -> float:
+        """Delay before retry number `retry` (0-based): exponential, capped, equal jitter."""
+        ceiling = min(self.max_delay_s, self.base_delay_s * (2.0**retry))
+        return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatReply:
+    """A 2xx response whose body is JSON."""
+
+    body: Any
+    """The decoded response body."""
+    attempts: int
+    """Requests made, including the successful one."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChatFailure:
+    """A completion that produced no usable body."""
+
+    kind: FailureKind
+    """Why."""
+    detail: str
+    """Human-readable explanation (never contains the API key)."""
+    attempts: int
+    """Requests made."""
+    retryable: bool
+    """Whether a later attempt could succeed."""
+
+
+def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:
+    """Seconds to wait from a `Retry-After` header: delta seconds or an HTTP date; None when absent or malformed."""
+    if value is None or not value.strip():
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        seconds = (when - (now or datetime.now(UTC))).total_seconds()
+    if not math.isfinite(seconds):
+        return None
+    return max(0.0, seconds)
+
+
+def redact(text: str, secret: SecretValue | None) -> str:
+    """`text` with the secret's value replaced by `***`."""
+    if secret is None:
+        return text
+    value = secret.reveal()
+    return text.replace(value, "***") if value else text
+
+
+class ChatClient:
+    """The process's chat-completions client. `start()` in the service's start-up hook, `close()` on stop."""
+
+    def __init__(self, retry: RetryPolicy | None = None) -> None:
+        self.retry = retry or RetryPolicy()
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        """Open the shared session (idempotent)."""
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+
+    async def close(self) -> None:
+        """Close the shared session (idempotent)."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> ChatClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def complete(
+        self,
+        *,
+        base_url: str,
+        payload: dict[str, Any],
+        api_key: SecretValue | None,
+        timeout_s: float,
+        max_retries: int,
+    ) -> ChatReply | ChatFailure:
+        """POST `payload` to `{base_url}/chat/completions`, retrying transient failures.
+
+        At most `1 + max_retries` requests, each bounded by `timeout_s`; the waits between them are
+        bounded by the retry policy's total budget. Never raises for anything the server or the
+        network does; raises `JudgeMachineryError` when the client was not started.
+        """
+        session = self._session
+        if session is None or session.closed:
+            raise JudgeMachineryError("ChatClient.start() was not called")
+        url = base_url.rstrip("/") + "/chat/completions"
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if api_key is not None:
+            headers["Authorization"] = f"Bearer {api_key.reveal()}"
+        data = msgspec.json.encode(payload)
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        waited = 0.0
+        attempt = 0
+        while True:
+            attempt += 1
+            outcome, retry_after = await self._attempt(session, url, data, headers, timeout, attempt, api_key)
+            if isinstance(outcome, ChatReply):
+                return outcome
+            failure = outcome
+            if not failure.retryable or attempt > max_retries:
+                return failure
+            delay = retry_after if retry_after is not None else self.retry.backoff(attempt - 1)
+            budget = self.retry.max_total_wait_s - waited
+            if retry_after is None:
+                delay = min(delay, budget)
+            if delay > budget or budget <= 0:
+                return ChatFailure(
+                    kind=failure.kind,
+                    detail=f"{failure.detail}; giving up: a {delay:.1f} s wait exceeds the remaining "
+                    f"{max(budget, 0.0):.1f} s retry budget",
+                    attempts=attempt,
+                    retryable=True,
+                )
+            log.info("chat completion %s (attempt %d), retrying in %.2f s", failure.kind, attempt, delay)
+            await asyncio.sleep(delay)
+            waited += delay
+
+    async def _attempt(
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        data: bytes,
+        headers: dict[str, str],
+        client_timeout: aiohttp.ClientTimeout,
+        attempt: int,
+        api_key: SecretValue | None,
+    ) -> tuple[ChatReply | ChatFailure, float | None]:
+        """One request: the reply or the failure, and the server's `Retry-After` in seconds if it sent one."""
+        try:
+            async with session.post(url, data=data, headers=headers, timeout=client_timeout) as response:
+                body = await response.read()
+                status = response.status
+                retry_after = parse_retry_after(response.headers.get("Retry-After"))
+        except TimeoutError:
+            return ChatFailure("timeout", f"no response within {client_timeout.total:g} s", attempt, True), None
+        except aiohttp.ClientError as e:
+            detail = redact(f"connection error: {type(e).__name__}: {e}", api_key)
+            return ChatFailure("connection", detail, attempt, True), None
+        excerpt = redact(body[:BODY_EXCERPT].decode("utf-8", "replace"), api_key)
+        if 200 <= status < 300:
+            try:
+                return ChatReply(msgspec.json.decode(body), attempt), None
+            except msgspec.DecodeError:
+                return ChatFailure(
+                    "protocol", f"HTTP {status} with a body that is not JSON: {excerpt}", attempt, False
+                ), None
+        if status == 429:
+            return ChatFailure("rate_limited", f"HTTP 429 rate limited: {excerpt}", attempt, True), retry_after
+        if status in RETRY_STATUSES or status >= 500:
+            return ChatFailure("server_error", f"HTTP {status}: {excerpt}", attempt, True), retry_after
+        return ChatFailure("client_error", f"HTTP {status}: {excerpt}", attempt, False), None

@@ -1,0 +1,551 @@
+"""The model judge against a real OpenAI-compatible chat-completions server on 127.0.0.1.
+
+The server checks the request shape and bearer key, records every request with its arrival
+time, and answers from a script (documented bodies, 429 + Retry-After, 5xx, garbage, hangs).
+Retry timing is asserted from the server's recorded arrival times, never from sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import socket
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from email.utils import format_datetime
+from typing import Any
+
+import msgspec
+import pytest
+from aiohttp import web
+
+from evalbus_contracts import (
+    CaseExecuted,
+    CasePlan,
+    CaseResult,
+    CaseSpec,
+    Infra,
+    Invalid,
+    LlmCall,
+    Measured,
+    Message,
+    ModelJudge,
+    Score,
+    ToolCall,
+    ToolResult,
+    Unmeasured,
+    encode,
+)
+from evalbus_judge import (
+    ChatClient,
+    ChatModelJudge,
+    JudgeContext,
+    JudgeRegistry,
+    ModelDefaults,
+    RetryPolicy,
+    judge_event,
+)
+from evalbus_runtime.secrets import SecretStore
+
+pytestmark = pytest.mark.integration
+
+API_KEY = "sk-test-4f1c9e0b7d2a6c3e8b5f"
+"""The key the server requires; the judge resolves it by the secret name `judge-key`."""
+SECRETS = SecretStore(environ={"EVALBUS_SECRET_JUDGE_KEY": API_KEY})
+
+
+# ---------------------------------------------------------------- the server
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One scripted response."""
+
+    status: int = 200
+    body: Any = None
+    raw: bytes | None = None
+    """Bytes sent as is (non-JSON garbage); overrides `body`."""
+    headers: dict[str, str] = field(default_factory=dict)
+    hang: bool = False
+    """Never answer until the server stops: a request timeout for the client."""
+    echo_auth: bool = False
+    """Quote the received Authorization header in an error body, as some providers do."""
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A request the server received."""
+
+    path: str
+    at_monotonic: float
+    at_wall: float
+    headers: dict[str, str]
+    body: Any
+
+
+def completion(content: str | None, *, refusal: str | None = None) -> dict[str, Any]:
+    """A chat-completions response body in the documented shape."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if refusal is not None:
+        message["refusal"] = refusal
+    return {
+        "id": "chatcmpl-test",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": "judge-test-model",
+        "choices": [{"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+    }
+
+
+def verdict_reply(score: Any, passed: Any = None, reasoning: str = "looks right") -> Reply:
+    """A 200 whose assistant content is a judge verdict JSON object."""
+    content: dict[str, Any] = {"score": score, "reasoning": reasoning}
+    if passed is not None:
+        content["pass"] = passed
+    return Reply(body=completion(msgspec.json.encode(content).decode()))
+
+
+def error_body(message: str, kind: str, code: str | None = None) -> dict[str, Any]:
+    """An OpenAI-style error body."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+class ChatCompletionsServer:
+    """`POST …/chat/completions` on 127.0.0.1; `start()` returns the base URL `http://127.0.0.1:<port>/v1`."""
+
+    def __init__(self, *, api_key: str | None = None) -> None:
+        self.api_key = api_key
+        self.script: deque[Reply] = deque()
+        self.default = verdict_reply(1.0, True)
+        self.requests: list[Recorded] = []
+        self.protocol_errors: list[str] = []
+        self._release = asyncio.Event()
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    def push(self, *replies: Reply) -> None:
+        """Queue replies for the next requests, in order; the default answers afterwards."""
+        self.script.extend(replies)
+
+    @property
+    def root(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_post("/{prefix:.*}chat/completions", self._handle)
+        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
+        await self._runner.setup()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        await web.SockSite(self._runner, sock).start()
+        return f"{self.root}/v1"
+
+    async def stop(self) -> None:
+        self._release.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def _protocol_error(self, text: str) -> web.Response:
+        self.protocol_errors.append(text)
+        return web.json_response(error_body(text, "invalid_request_error"), status=400)
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            body = None
+        self.requests.append(Recorded(request.path, time.monotonic(), time.time(), dict(request.headers), body))
+        if not request.headers.get("Content-Type", "").startswith("application/json"):
+            return self._protocol_error("Content-Type must be application/json")
+        if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+            return self._protocol_error("body must be a JSON object with a model")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return self._protocol_error("messages must be a non-empty list")
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
+                return self._protocol_error("every message needs a role")
+            if not isinstance(m.get("content"), str):
+                return self._protocol_error("every message needs string content")
+        reply = self.script.popleft() if self.script else self.default
+        auth = request.headers.get("Authorization")
+        if reply.echo_auth:
+            return web.json_response(
+                error_body(f"Incorrect API key provided: {auth}", "invalid_request_error", "invalid_api_key"),
+                status=reply.status,
+            )
+        if self.api_key is not None and auth != f"Bearer {self.api_key}":
+            return web.json_response(
+                error_body("Incorrect API key provided.", "invalid_request_error", "invalid_api_key"), status=401
+            )
+        if reply.hang:
+            await self._release.wait()
+        if reply.raw is not None:
+            return web.Response(status=reply.status, body=reply.raw, headers=reply.headers)
+        return web.json_response(reply.body, status=reply.status, headers=reply.headers)
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[ChatCompletionsServer]:
+    """A started server that requires `API_KEY`."""
+    srv = ChatCompletionsServer(api_key=API_KEY)
+    await srv.start()
+    yield srv
+    await srv.stop()
+
+
+@pytest.fixture
+async def chat() -> AsyncIterator[ChatClient]:
+    """A started client with short backoff delays (a Retry-After is still honoured as sent)."""
+    client = ChatClient(RetryPolicy(base_delay_s=0.01, max_delay_s=0.05, max_total_wait_s=10.0))
+    await client.start()
+    yield client
+    await client.close()
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def context(answer: str = "Paris", expected: str | None = "Paris") -> JudgeContext:
+    trace = (
+        Message(role="user", text="What is the capital of France?"),
+        Infra(scope="placement", event="started", message="started on node-7", node="node-7"),
+        LlmCall(t=0.5, model="gpt-x", input_tokens=12, output_tokens=3),
+        ToolCall(t=1.0, id="1", name="search", args={"q": "capital of France"}),
+        ToolResult(t=1.5, id="1", output="Paris is the capital of France."),
+        Message(t=2.0, role="assistant", text=answer),
+    )
+    result = CaseResult(case_id="c1", run_id="evb-b1-c1", harness="h@1", answer=answer, trace=trace)
+    return JudgeContext.of(result, case_input="What is the capital of France?", expected=expected)
+
+
+def spec(base_url: str | None, **kw: Any) -> ModelJudge:
+    fields: dict[str, Any] = {
+        "id": "quality",
+        "base_url": base_url,
+        "model": "judge-test-model",
+        "api_key_secret": "judge-key",
+        "rubric": "The answer names the capital of France correctly.",
+        "timeout_s": 5.0,
+        "max_retries": 3,
+    }
+    fields.update(kw)
+    return ModelJudge(**fields)
+
+
+async def run(chat: ChatClient, judge_spec: ModelJudge, ctx: JudgeContext | None = None) -> Score:
+    registry = JudgeRegistry(chat=chat, secrets=SECRETS)
+    (entry,) = registry.resolve([judge_spec]).judges
+    assert isinstance(entry.judge, ChatModelJudge)
+    return await entry.judge.judge(ctx or context())
+
+
+# ---------------------------------------------------------------- protocol
+
+
+async def test_request_shape_auth_and_measured_score(server: ChatCompletionsServer, chat: ChatClient) -> None:
+    server.push(verdict_reply(0.9, True, "names Paris"))
+    score = await run(chat, spec(f"{server.root}/v1"))
+    assert score == Measured(
+        grader_id="quality", metric="judge:quality", source="judge", value=0.9, passed=True, detail="names Paris"
+    )
+    assert server.protocol_errors == []
+    (req,) = server.requests
+    assert req.path == "/v1/chat/completions"
+    assert req.headers["Authorization"] == f"Bearer {API_KEY}"
+    assert req.body["model"] == "judge-test-model"
+    assert req.body["response_format"] == {"type": "json_object"}
+    system, user = req.body["messages"]
+    assert system["role"] == "system"
+    assert "JSON" in system["content"]
+    assert user["role"] == "user"
+    prompt = user["content"]
+    for part in (
+        "The answer names the capital of France correctly.",
+        "## Task given to the agent\nWhat is the capital of France?",
+        "## Expected answer\nParis",
+        "## Agent's answer\nParis",
+        'tool_call search {"q":"capital of France"}',
+        "tool_result ok: Paris is the capital of France.",
+        "llm_call gpt-x",
+    ):
+        assert part in prompt
+    assert "node-7" not in prompt  # infra events are not shown to judges
+    assert API_KEY not in msgspec.json.encode(req.body).decode()
+
+
+async def test_no_expected_section_without_expected(server: ChatCompletionsServer, chat: ChatClient) -> None:
+    await run(chat, spec(f"{server.root}/v1"), context(expected=None))
+    assert "## Expected answer" not in server.requests[0].body["messages"][1]["content"]
+
+
+@pytest.mark.parametrize(
+    ("reply", "value", "passed"),
+    [
+        (verdict_reply(0.7), 0.7, True),  # no pass: threshold 0.5
+        (verdict_reply(0.3), 0.3, False),
+        (verdict_reply(0.3, True), 0.3, True),  # the model's boolean pass wins
+        (verdict_reply(0.9, False), 0.9, False),
+        (verdict_reply(0.7, "yes"), 0.7, True),  # a non-boolean pass is ignored
+        (verdict_reply(1), 1.0, True),
+        (verdict_reply(0), 0.0, False),
+        (Reply(body=completion('Sure!\n```json\n{"score": 0.6, "reasoning": "ok"}\n```')), 0.6, True),
+        (Reply(body=completion('```\n{"score": 0.2, "pass": false}\n```')), 0.2, False),
+    ],
+)
+async def test_verdict_shapes(
+    server: ChatCompletionsServer, chat: ChatClient, reply: Reply, value: float, passed: bool
+) -> None:
+    server.push(reply)
+    score = await run(chat, spec(f"{server.root}/v1"))
+    assert isinstance(score, Measured), score
+    assert (score.value, score.passed) == (value, passed)
+
+
+async def test_pass_threshold_from_spec(server: ChatCompletionsServer, chat: ChatClient) -> None:
+    server.push(verdict_reply(0.7), verdict_reply(0.8))
+    strict = spec(f"{server.root}/v1", pass_threshold=0.8)
+    first, second = await run(chat, strict), await run(chat, strict)
+    assert isinstance(first, Measured)
+    assert isinstance(second, Measured)
+    assert (first.passed, second.passed) == (False, True)
+
+
+@pytest.mark.parametrize(
+    ("reply", "why"),
+    [
+        (verdict_reply(1.5), "outside 0..1"),
+        (verdict_reply(-0.1), "outside 0..1"),
+        (verdict_reply("0.8"), "must be a number"),
+        (verdict_reply(True), "must be a number"),
+        (Reply(body=completion('{"pass": true}')), "must be a number"),
+        (Reply(body=completion("I think the answer is good.")), "not a JSON object"),
+        (Reply(body=completion("[0.5]")), "not a JSON object"),
+        (Reply(body=completion(None, refusal="I can't help with that.")), "refused"),
+        (Reply(body={"choices": []}), "no choices"),
+        (Reply(body={"object": "chat.completion"}), "no choices"),
+        (Reply(raw=b"<html>gateway</html>", headers={"Content-Type": "text/html"}), "not JSON"),
+    ],
+)
+async def test_garbage_is_invalid(server: ChatCompletionsServer, chat: ChatClient, reply: Reply, why: str) -> None:
+    server.push(reply)
+    score = await run(chat, spec(f"{server.root}/v1"))
+    assert isinstance(score, Invalid), score
+    assert score.reason == "contract_violation"
+    assert score.metric == "judge:quality"
+    assert why in (score.detail or "")
+    assert len(server.requests) == 1  # a contract violation is not retried
+
+
+# ---------------------------------------------------------------- retries
+
+
+async def test_429_retry_after_seconds_is_honoured(server: ChatCompletionsServer, chat: ChatClient) -> None:
+    server.push(
+        Reply(status=429, body=error_body("Rate limit reached", "requests"), headers={"Retry-After": "1"}),
+        verdict_reply(0.8, True),
+    )
+    score = await run(chat, spec(f"{server.root}/v1"))
+    assert isinstance(score, Measured)
+    first, second = server.requests
+    gap = second.at_monotonic - first.at_monotonic
+    assert gap >= 1.0, f"retried {gap:.3f} s after a Retry-After of 1 s"
+    assert gap < 1.0 + 5.0, "the retry came long after the server allowed it"
+
+
+async def test_429_retry_after_http_date_is_honoured(server: ChatCompletionsServer, chat: ChatClient) -> None:
+    not_before = datetime.fromtimestamp(math.ceil(time.time()) + 2, UTC)
+    server.push(
+        Reply(status=429, headers={"Retry-After": format_datetime(not_before, usegmt=True)}, body={}),
+        verdict_reply(0.8, True),
+    )
+    score = await run(chat, spec(f"{server.root}/v1"))
+    assert isinstance(score, Measured)
+    assert server.requests[1].at_wall >= not_before.timestamp()
+
+
+async def test_retry_after_beyond_the_budget_gives_up_without_waiting(server: ChatCompletionsServer) -> None:
+    server.push(Reply(status=429, headers={"Retry-After": "3600"}, body={}))
+    async with ChatClient(RetryPolicy(base_delay_s=0.01, max_total_wait_s=2.0)) as chat:
+        started = time.monotonic()
+        score = await run(chat, spec(f"{server.root}/v1"))
+        elapsed = time.monotonic() - started
+    assert isinstance(score, Unmeasured), score
+    assert (score.reason, score.retryable, score.attempts) == ("grader_error", True, 1)
+    assert "retry budget" in (score.detail or "")
+    assert len(server.requests) == 1
+    assert elapsed < 2.0
+
+
+async def test_5xx_is_retried_then_measured(server: ChatCompletionsServer, chat: ChatClient) -> None:
+    server.push(
+        Reply(status=500, body=error_body("internal", "server_error")),
+        Reply(status=503, body=error_body("overloaded", "server_error")),
+        verdict_reply(0.4, False),
+    )
+    score = await run(chat, spec(f"{server.root}/v1"))
+    assert isinstance(score, Measured)
+    assert score.passed is False
+    assert len(server.requests) == 3
+
+
+async def test_5xx_exhausting_retries_is_retryable_grader_error(
+    server: ChatCompletionsServer, chat: ChatClient
+) -> None:
+    server.push(*[Reply(status=502, body=error_body("bad gateway", "server_error"))] * 3)
+    score = await run(chat, spec(f"{server.root}/v1", max_retries=2))
+    assert isinstance(score, Unmeasured), score
+    assert (score.reason, score.retryable, score.attempts) == ("grader_error", True, 3)
+    assert "HTTP 502" in (score.detail or "")
+    assert len(server.requests) == 3
+
+
+async def test_timeout_after_retries_is_grader_timeout(server: ChatCompletionsServer, chat: ChatClient) -> None:
+    server.push(Reply(hang=True), Reply(hang=True))
+    score = await run(chat, spec(f"{server.root}/v1", timeout_s=0.3, max_retries=1))
+    assert isinstance(score, Unmeasured), score
+    assert (score.reason, score.retryable, score.attempts) == ("grader_timeout", True, 2)
+    assert len(server.requests) == 2
+    assert server.requests[1].at_monotonic - server.requests[0].at_monotonic >= 0.3
+
+
+async def test_timeout_then_success(server: ChatCompletionsServer, chat: ChatClient) -> None:
+    server.push(Reply(hang=True), verdict_reply(0.9, True))
+    score = await run(chat, spec(f"{server.root}/v1", timeout_s=0.3, max_retries=1))
+    assert isinstance(score, Measured)
+
+
+async def test_client_error_is_not_retried(server: ChatCompletionsServer, chat: ChatClient) -> None:
+    server.push(Reply(status=404, body=error_body("The model does not exist", "invalid_request_error")))
+    score = await run(chat, spec(f"{server.root}/v1"))
+    assert isinstance(score, Unmeasured), score
+    assert (score.reason, score.retryable, score.attempts) == ("grader_error", False, 1)
+    assert "HTTP 404" in (score.detail or "")
+
+
+async def test_connection_refused_is_retryable_grader_error(chat: ChatClient) -> None:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens on this port now
+    score = await run(chat, spec(f"http://127.0.0.1:{port}/v1", max_retries=1))
+    assert isinstance(score, Unmeasured), score
+    assert (score.reason, score.retryable, score.attempts) == ("grader_error", True, 2)
+
+
+# ---------------------------------------------------------------- secrets and endpoints
+
+
+async def test_wrong_key_is_rejected_by_the_server(server: ChatCompletionsServer, chat: ChatClient) -> None:
+    wrong = SecretStore(environ={"EVALBUS_SECRET_JUDGE_KEY": "sk-wrong"})
+    (entry,) = JudgeRegistry(chat=chat, secrets=wrong).resolve([spec(f"{server.root}/v1")]).judges
+    score = await entry.judge.judge(context())
+    assert isinstance(score, Unmeasured)
+    assert "HTTP 401" in (score.detail or "")
+
+
+async def test_missing_secret_makes_no_call(server: ChatCompletionsServer, chat: ChatClient) -> None:
+    score = await run_registry(chat, spec(f"{server.root}/v1", api_key_secret="not-set"))
+    assert isinstance(score, Unmeasured)
+    assert score.reason == "missing_secret"
+    assert server.requests == []
+
+
+async def test_secret_removed_after_resolution_makes_no_call(server: ChatCompletionsServer, chat: ChatClient) -> None:
+    environ = {"EVALBUS_SECRET_JUDGE_KEY": API_KEY}
+    registry = JudgeRegistry(chat=chat, secrets=SecretStore(environ=environ))
+    (entry,) = registry.resolve([spec(f"{server.root}/v1")], batch_id="b-rotate").judges
+    del environ["EVALBUS_SECRET_JUDGE_KEY"]
+    score = await entry.judge.judge(context())
+    assert isinstance(score, Unmeasured)
+    assert score.reason == "missing_secret"
+    assert server.requests == []
+
+
+async def test_secret_from_secrets_dir(server: ChatCompletionsServer, chat: ChatClient, tmp_path: Any) -> None:
+    (tmp_path / "judge-key").write_text(API_KEY + "\n")
+    registry = JudgeRegistry(chat=chat, secrets=SecretStore(environ={"EVALBUS_SECRETS_DIR": str(tmp_path)}))
+    (entry,) = registry.resolve([spec(f"{server.root}/v1")]).judges
+    assert isinstance(await entry.judge.judge(context()), Measured)
+    assert server.requests[0].headers["Authorization"] == f"Bearer {API_KEY}"
+
+
+async def test_default_endpoint_and_key_from_service_settings(server: ChatCompletionsServer, chat: ChatClient) -> None:
+    registry = JudgeRegistry(
+        chat=chat,
+        secrets=SECRETS,
+        model_defaults=ModelDefaults(base_url=f"{server.root}/v1", api_key_secret="judge-key"),
+    )
+    (entry,) = registry.resolve([spec(None, api_key_secret=None)]).judges
+    assert isinstance(await entry.judge.judge(context()), Measured)
+    assert server.requests[0].headers["Authorization"] == f"Bearer {API_KEY}"
+
+
+async def test_service_key_is_never_sent_to_a_url_the_batch_chose(chat: ChatClient) -> None:
+    other = ChatCompletionsServer(api_key=None)
+    await other.start()
+    try:
+        registry = JudgeRegistry(
+            chat=chat,
+            secrets=SECRETS,
+            model_defaults=ModelDefaults(base_url="http://127.0.0.1:9/v1", api_key_secret="judge-key"),
+        )
+        (entry,) = registry.resolve([spec(f"{other.root}/custom/v1", api_key_secret=None)]).judges
+        assert isinstance(await entry.judge.judge(context()), Measured)
+        (req,) = other.requests
+        assert req.path == "/custom/v1/chat/completions"
+        assert "Authorization" not in req.headers
+    finally:
+        await other.stop()
+
+
+async def test_no_base_url_anywhere_is_unsupported(chat: ChatClient) -> None:
+    score = await run_registry(chat, spec(None))
+    assert isinstance(score, Unmeasured)
+    assert (score.reason, score.retryable) == ("unsupported", False)
+
+
+async def test_the_key_never_appears_in_scores_or_events(server: ChatCompletionsServer, chat: ChatClient) -> None:
+    """Error bodies that quote the Authorization header, and a verdict that repeats it, are scrubbed."""
+    base = f"{server.root}/v1"
+    server.push(
+        Reply(status=401, echo_auth=True),
+        Reply(status=500, echo_auth=True),
+        Reply(status=500, echo_auth=True),
+        verdict_reply(0.9, True, reasoning=f"the header was Bearer {API_KEY}"),
+        Reply(body=completion(f"not json {API_KEY}")),
+    )
+    judges = (
+        spec(base, id="a", max_retries=0),
+        spec(base, id="b", max_retries=1),
+        spec(base, id="c"),
+        spec(base, id="d"),
+    )
+    event = CaseExecuted(
+        batch_id="b-secret",
+        case_id="c1",
+        run_id="evb-b-secret-c1",
+        status="succeeded",
+        result=context().result,
+        plan=CasePlan(judges=judges),
+        case=CaseSpec(id="c1", input="What is the capital of France?", expected="Paris"),
+    )
+    judged = await judge_event(event, JudgeRegistry(chat=chat, secrets=SECRETS))
+    assert judged is not None
+    statuses = [type(s).__name__ for s in judged.result.scores]
+    assert statuses == ["Unmeasured", "Unmeasured", "Measured", "Invalid"]
+    assert all(r.headers.get("Authorization") == f"Bearer {API_KEY}" for r in server.requests)
+    assert API_KEY not in encode(judged).decode()
+    assert "***" in (judged.result.scores[0].detail or "")
+
+
+async def run_registry(chat: ChatClient, judge_spec: ModelJudge) -> Score:
+    (entry,) = JudgeRegistry(chat=chat, secrets=SECRETS).resolve([judge_spec]).judges
+    return await entry.judge.judge(context())
