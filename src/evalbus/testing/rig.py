@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -16,9 +17,12 @@ from evalbus.infra.postgres import create_database, drop_database, start_embedde
 
 
 @pytest.fixture(scope="session")
-def rig_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder for this session's servers."""
-    return tmp_path_factory.mktemp("rig")
+def rig_dir() -> Iterator[Path]:
+    """A folder for this session's servers, outside pytest's rotated temp folders (a concurrent
+    pytest session may delete those, and the servers' data with them)."""
+    path = Path(tempfile.mkdtemp(prefix="evalbus-rig-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

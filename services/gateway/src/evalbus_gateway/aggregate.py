@@ -1,0 +1,255 @@
+"""A batch's aggregate, export status and final status from its runs (pure).
+
+`summarize` follows the everdict scorecard semantics: per metric the count of measured values,
+their mean (None when there are none), the pass rate over measured scores that carry pass/fail,
+and a tally of non-measurements by reason (`invalid` counts as `contract_violation`). Cancelled
+runs and runs without an outcome (not executed yet) are left out of the metrics. Verdicts come from
+the authority ladder in `verdict`; with trials, pass@1 is the mean per-case fraction of passing
+trials and pass@k the fraction of cases with at least one passing trial.
+
+`build_finalized` turns all of it into the `batch.finalized` event; the store's
+`finalize_batch` reads the runs and calls it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+import msgspec
+
+from evalbus_contracts import (
+    BatchError,
+    BatchFinalized,
+    BatchSummary,
+    CaseFailure,
+    ExportSummary,
+    Invalid,
+    Measured,
+    MetricSummary,
+    Score,
+    SinkOutcome,
+    StageCounts,
+    TrialSummary,
+    Unmeasured,
+    VerdictSummary,
+)
+from evalbus_gateway.verdict import Verdict, decide
+
+ExecutedStatus = Literal["succeeded", "failed", "cancelled"]
+JudgedStatus = Literal["judged", "skipped"]
+ExportedStatus = Literal["exported", "partial", "failed", "skipped"]
+FinalStatus = Literal["succeeded", "failed", "cancelled", "superseded"]
+CancelReason = Literal["cancelled", "superseded"]
+
+
+class RunOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    """What the aggregate needs to know about one run (from the `runs` read model)."""
+
+    run_id: str
+    """Run id."""
+    case_id: str
+    """Case id (trials of one case share it)."""
+    trial: int | None = None
+    """Trial number when trials > 1."""
+    requested: bool = True
+    """`case.requested` was recorded."""
+    executed_status: ExecutedStatus | None = None
+    """Execution outcome; None before `case.executed`."""
+    collected: bool = False
+    """`case.collected` was recorded."""
+    judged_status: JudgedStatus | None = None
+    """Judge stage outcome."""
+    exported_status: ExportedStatus | None = None
+    """Export stage outcome."""
+    failure: CaseFailure | None = None
+    """The run's failure, if any."""
+    scores: tuple[Score, ...] = ()
+    """Scores of the furthest stage recorded (graders, then judges)."""
+    judge_error: str | None = None
+    """An error that escaped a judge."""
+    export_outcomes: tuple[SinkOutcome, ...] = ()
+    """Per-sink outcomes of `case.exported`."""
+    objective_metrics: frozenset[str] = frozenset()
+    """The case's command / script-score metrics (objective rung)."""
+
+    @property
+    def cancelled(self) -> bool:
+        """The run was cancelled (before or while it ran)."""
+        return self.executed_status == "cancelled" or (
+            self.failure is not None and self.failure.failure_class == "cancelled"
+        )
+
+    @property
+    def has_outcome(self) -> bool:
+        """Execution produced an outcome (successful or not)."""
+        return self.executed_status is not None
+
+    def verdict(self) -> Verdict:
+        """This run's verdict by the ladder."""
+        if not self.has_outcome:
+            return Verdict(reason="no_outcome")
+        return decide(
+            self.scores, failure=self.failure, cancelled=self.cancelled, objective_metrics=self.objective_metrics
+        )
+
+
+class _MetricAcc:
+    __slots__ = ("count", "passed", "total", "unmeasured", "with_pass")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total = 0.0
+        self.with_pass = 0
+        self.passed = 0
+        self.unmeasured: dict[str, int] = defaultdict(int)
+
+    def add(self, score: Score) -> None:
+        if isinstance(score, Measured):
+            self.count += 1
+            self.total += score.value
+            if score.passed is not None:
+                self.with_pass += 1
+                self.passed += int(score.passed)
+        elif isinstance(score, Unmeasured):
+            self.unmeasured[score.reason] += 1
+        elif isinstance(score, Invalid):
+            self.unmeasured["contract_violation"] += 1
+
+    def summary(self, metric: str) -> MetricSummary:
+        return MetricSummary(
+            metric=metric,
+            count=self.count,
+            mean=self.total / self.count if self.count else None,
+            pass_rate=self.passed / self.with_pass if self.with_pass else None,
+            unmeasured=dict(sorted(self.unmeasured.items())),
+        )
+
+
+def metric_summaries(runs: Iterable[RunOutcome]) -> tuple[MetricSummary, ...]:
+    """Per-metric summaries, sorted by metric, over runs with an outcome that were not cancelled."""
+    accs: dict[str, _MetricAcc] = defaultdict(_MetricAcc)
+    for run in runs:
+        if not run.has_outcome or run.cancelled:
+            continue
+        for score in run.scores:
+            accs[score.metric].add(score)
+    return tuple(accs[m].summary(m) for m in sorted(accs))
+
+
+def verdict_summary(verdicts: Sequence[Verdict]) -> VerdictSummary:
+    """Verdict counts (every run counts; a run without a verdict is `no_verdict`)."""
+    passed = sum(1 for v in verdicts if v.outcome == "pass")
+    failed = sum(1 for v in verdicts if v.outcome == "fail")
+    verdicted = passed + failed
+    return VerdictSummary(
+        verdicted=verdicted,
+        passed=passed,
+        failed=failed,
+        no_verdict=len(verdicts) - verdicted,
+        pass_rate=passed / verdicted if verdicted else None,
+    )
+
+
+def trial_summary(runs: Sequence[RunOutcome], verdicts: Sequence[Verdict], k: int) -> TrialSummary:
+    """pass@1 and pass@k over cases; cancelled trials are left out, a trial without a verdict fails."""
+    per_case: dict[str, list[bool]] = defaultdict(list)
+    for run, verdict in zip(runs, verdicts, strict=True):
+        if run.cancelled:
+            continue
+        per_case[run.case_id].append(verdict.outcome == "pass")
+    cases = [trials for trials in per_case.values() if trials]
+    if not cases:
+        return TrialSummary(k=k)
+    pass_at_1 = sum(sum(t) / len(t) for t in cases) / len(cases)
+    pass_at_k = sum(1 for t in cases if any(t)) / len(cases)
+    return TrialSummary(k=k, pass_at_1=pass_at_1, pass_at_k=pass_at_k)
+
+
+def stage_counts(runs: Iterable[RunOutcome]) -> StageCounts:
+    """How many runs reached each stage."""
+    requested = executed = collected = judged = exported = failed = cancelled = 0
+    for run in runs:
+        requested += run.requested
+        executed += run.executed_status is not None
+        collected += run.collected
+        judged += run.judged_status is not None
+        exported += run.exported_status is not None
+        failed += run.executed_status == "failed"
+        cancelled += run.cancelled
+    return StageCounts(
+        requested=requested,
+        executed=executed,
+        collected=collected,
+        judged=judged,
+        exported=exported,
+        failed=failed,
+        cancelled=cancelled,
+    )
+
+
+def summarize(runs: Sequence[RunOutcome], *, trials: int | None = None) -> BatchSummary:
+    """The batch's aggregate. `trials` defaults to the highest trial number seen; pass@k needs > 1."""
+    verdicts = [run.verdict() for run in runs]
+    k = trials if trials is not None else max((run.trial or 1 for run in runs), default=1)
+    return BatchSummary(
+        metrics=metric_summaries(runs),
+        verdicts=verdict_summary(verdicts),
+        trials=trial_summary(runs, verdicts, k) if k > 1 else None,
+        counts=stage_counts(runs),
+    )
+
+
+def export_summary(runs: Sequence[RunOutcome], *, has_sinks: bool) -> ExportSummary:
+    """The batch's export status from each run's `case.exported`.
+
+    No sink: `skipped`. Otherwise `succeeded` when no run failed at any sink (runs skipped by the
+    exporter, such as cancelled ones, do not count against it), `failed` when runs were attempted
+    and none reached every sink (the first error becomes the message), else `partial`.
+    """
+    exported = sum(1 for r in runs if r.exported_status == "exported")
+    failed = sum(1 for r in runs if r.exported_status in ("failed", "partial"))
+    if not has_sinks:
+        return ExportSummary(status="skipped", exported=exported, failed=failed)
+    if failed == 0:
+        return ExportSummary(status="succeeded", exported=exported, failed=0)
+    if exported == 0 and not any(r.exported_status == "partial" for r in runs):
+        message = next(
+            (o.error for r in runs for o in r.export_outcomes if o.status == "failed" and o.error),
+            "every export failed",
+        )
+        return ExportSummary(status="failed", exported=0, failed=failed, message=message)
+    return ExportSummary(status="partial", exported=exported, failed=failed)
+
+
+def final_status(
+    runs: Iterable[RunOutcome], *, cancel_reason: CancelReason | None
+) -> tuple[FinalStatus, BatchError | None]:
+    """`cancelled`/`superseded` when a `batch.cancelled` was recorded; `failed` when an error escaped
+    a judge (`error.phase = "judges"`); else `succeeded`."""
+    if cancel_reason is not None:
+        return cancel_reason, None
+    first_error = next((r.judge_error for r in runs if r.judge_error), None)
+    if first_error is not None:
+        return "failed", BatchError(code="judge_error", message=first_error, phase="judges")
+    return "succeeded", None
+
+
+def build_finalized(
+    batch_id: str,
+    runs: Sequence[RunOutcome],
+    *,
+    trials: int | None = None,
+    has_sinks: bool,
+    cancel_reason: CancelReason | None = None,
+) -> BatchFinalized:
+    """The `batch.finalized` event for a batch whose runs are all exported (or that was stopped)."""
+    status, error = final_status(runs, cancel_reason=cancel_reason)
+    return BatchFinalized(
+        batch_id=batch_id,
+        status=status,
+        summary=summarize(runs, trials=trials),
+        export=export_summary(runs, has_sinks=has_sinks),
+        error=error,
+    )

@@ -1,0 +1,1 @@
+"""Versioned SQL migrations of the event store, applied in file-name order by `store.migrate`."""
