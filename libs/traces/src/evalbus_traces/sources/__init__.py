@@ -1,0 +1,1 @@
+"""Trace sources, one module per platform: each turns a `TraceRef` into trace events."""
