@@ -37,12 +37,3 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
         except OSError:
             return False
         return True
-
-
-def port_listens(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether something accepts TCP connections on `host:port` right now."""
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False

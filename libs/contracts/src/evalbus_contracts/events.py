@@ -151,6 +151,11 @@ class CaseRequested(_CaseEvent, frozen=True, kw_only=True, tag="case.requested")
     plan: CasePlan
     """What later stages need."""
 
+    def msg_id(self) -> str:
+        # A retry of a retryable infrastructure failure is a new request of the same run.
+        base = f"{self.type}:{self.run_id}"
+        return base if self.attempt == 1 else f"{base}:a{self.attempt}"
+
 
 class CaseExecuted(_CaseEvent, frozen=True, kw_only=True, tag="case.executed"):
     """The sandbox ran and was released."""

@@ -9,7 +9,7 @@ from evalbus_contracts import CaseJudged
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import EXPORTER_CASES
 from evalbus_exporter.export import SinkCache, SinkFactory, export_case
-from evalbus_exporter.sinks.factory import build_case_sink
+from evalbus_exporter.sinks.factory import SinkBuilder
 from evalbus_runtime import Delivery, Service, ServiceSettings, Stage
 
 
@@ -20,9 +20,13 @@ class ExporterSettings(ServiceSettings):
     """Cases exported at once by one replica (the global limit is the consumer's max_ack_pending)."""
 
 
-def build_exporter(service: Service, settings: ExporterSettings, factory: SinkFactory = build_case_sink) -> None:
-    """Add the export stage to `service`."""
-    cache = SinkCache(factory)
+def build_exporter(service: Service, settings: ExporterSettings, factory: SinkFactory | None = None) -> None:
+    """Add the export stage to `service` (sinks from `factory`, by default jsonl and the platforms)."""
+    builder = SinkBuilder()
+    cache = SinkCache(factory or builder)
+
+    async def start(_: Service) -> None:
+        await builder.start()
 
     async def handle(event: CaseJudged, _: Delivery) -> Sequence[EventBase]:
         sinks = await cache.for_batch(event.batch_id or "", event.plan.sinks)
@@ -30,7 +34,9 @@ def build_exporter(service: Service, settings: ExporterSettings, factory: SinkFa
 
     async def stop(_: Service) -> None:
         await cache.close()
+        await builder.close()
 
+    service.on_start(start)
     service.on_stop(stop)
     service.add_stage(
         Stage(consumer=EXPORTER_CASES, handler=handle, accepts=(CaseJudged,), concurrency=settings.concurrency)

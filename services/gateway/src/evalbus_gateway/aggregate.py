@@ -35,7 +35,7 @@ from evalbus_contracts import (
     Unmeasured,
     VerdictSummary,
 )
-from evalbus_gateway.verdict import Verdict, decide
+from evalbus_grading.verdict import Verdict, decide
 
 ExecutedStatus = Literal["succeeded", "failed", "cancelled"]
 JudgedStatus = Literal["judged", "skipped"]

@@ -2,29 +2,38 @@
 
 from __future__ import annotations
 
-from evalbus_contracts import CaseJudged, JsonlSink, PlatformSink, SinkOutcome, SinkSpec
+import aiohttp
+
+from evalbus_contracts import JsonlSink, SinkSpec
 from evalbus_exporter.sinks.base import CaseSink
 from evalbus_exporter.sinks.jsonl import JsonlCaseSink
+from evalbus_exporter.sinks.platform import PlatformCaseSink
+from evalbus_runtime import SecretStore
+from evalbus_traces import build_sink
 
 
-class UnavailableSink:
-    """A sink that cannot be built: every case gets a failed outcome naming why."""
+class SinkBuilder:
+    """Builds sinks; owns the HTTP session platform sinks share (open it with `start`)."""
 
-    def __init__(self, name: str, reason: str) -> None:
-        self.name = name
-        self.reason = reason
+    def __init__(self, secrets: SecretStore | None = None) -> None:
+        self._secrets = secrets or SecretStore()
+        self._session: aiohttp.ClientSession | None = None
 
-    async def export(self, judged: CaseJudged) -> SinkOutcome:
-        del judged
-        return SinkOutcome(sink=self.name, status="failed", error=self.reason)
+    async def start(self) -> None:
+        """Open the shared HTTP session."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
 
     async def close(self) -> None:
-        return None
+        """Close the shared HTTP session."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
-
-def build_case_sink(spec: SinkSpec, batch_id: str) -> CaseSink:
-    """The sink for `spec` in batch `batch_id`."""
-    if isinstance(spec, JsonlSink):
-        return JsonlCaseSink(spec, batch_id)
-    assert isinstance(spec, PlatformSink)
-    return UnavailableSink(spec.platform, f"{spec.platform} export is not wired in this exporter")
+    def __call__(self, spec: SinkSpec, batch_id: str) -> CaseSink:
+        """The sink for `spec` in batch `batch_id`."""
+        if isinstance(spec, JsonlSink):
+            return JsonlCaseSink(spec, batch_id)
+        if self._session is None:
+            raise RuntimeError("SinkBuilder.start() was not awaited")
+        return PlatformCaseSink(build_sink(spec, self._secrets, self._session))

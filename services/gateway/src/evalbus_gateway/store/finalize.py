@@ -13,7 +13,7 @@ from evalbus_contracts import BatchFinalized, BatchSpec, CaseFailure, Score, Sin
 from evalbus_gateway.aggregate import RunOutcome, build_finalized
 from evalbus_gateway.store.connections import snapshot
 from evalbus_gateway.store.errors import BatchNotFoundError
-from evalbus_gateway.verdict import objective_metrics_of
+from evalbus_grading.verdict import objective_metrics_of
 
 if TYPE_CHECKING:
     import asyncpg

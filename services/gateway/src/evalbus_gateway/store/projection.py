@@ -29,7 +29,7 @@ from evalbus_contracts import (
     Event,
     encode,
 )
-from evalbus_gateway.verdict import decide, objective_metrics_of
+from evalbus_grading.verdict import decide, objective_metrics_of
 
 if TYPE_CHECKING:
     from evalbus_gateway.store.connections import Connection

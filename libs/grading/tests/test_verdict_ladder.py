@@ -16,7 +16,7 @@ from evalbus_contracts import (
     TestsPassGrader,
     Unmeasured,
 )
-from evalbus_gateway.verdict import decide, is_judge_metric, objective_metrics_of
+from evalbus_grading.verdict import decide, is_judge_metric, objective_metrics_of
 
 pytestmark = pytest.mark.unit
 

@@ -1,0 +1,63 @@
+# evalbus task runner: `just --list` shows every recipe.
+# Recipes run tools through `uv run --frozen` (the locked environment, created on first use), so they
+# work from a fresh clone. Inside `uv run`, $UV names the uv that started us even when it is not on PATH.
+
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+uv := env("UV", "uv")
+run := uv + " run --frozen"
+code := "libs services src tests bench"
+
+# List the recipes.
+default:
+    @{{just_executable()}} --list
+
+# Start nats-server, PostgreSQL and the five services in .evalbus/ (idempotent).
+up *args:
+    {{run}} evalbus up {{args}}
+
+# Stop everything `up` started.
+down *args:
+    {{run}} evalbus down {{args}}
+
+# Health of every component (exit 0 only when all are healthy).
+status *args:
+    {{run}} evalbus status {{args}}
+
+# Bring the stack up and show its health (the example suite lands with the pipeline).
+demo:
+    {{run}} evalbus up
+    {{run}} evalbus status
+    @echo "evalbus is up. The example run (evalbus run examples/suite.yaml) lands with the pipeline issue; stop with: just down"
+
+# The whole test suite (unit, integration, e2e).
+test *args:
+    {{run}} python -m pytest {{args}}
+
+# Unit tests only (no servers).
+test-fast *args:
+    {{run}} python -m pytest -m unit {{args}}
+
+# ruff (lint and format check) and mypy --strict.
+lint:
+    {{run}} ruff check {{code}}
+    {{run}} ruff format --check {{code}}
+    {{run}} mypy {{code}}
+
+# Format and apply safe lint fixes.
+fmt:
+    {{run}} ruff format {{code}}
+    {{run}} ruff check --fix {{code}}
+
+# Write docs/schemas/*.json from the contracts.
+schemas:
+    {{run}} evalbus schemas --out docs/schemas
+
+# Run every benchmark in bench/ (each prints JSON).
+bench:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    shopt -s nullglob
+    files=(bench/*.py)
+    if [ ${#files[@]} -eq 0 ]; then echo "no benchmark in bench/"; exit 0; fi
+    for f in "${files[@]}"; do echo "== $f"; {{run}} python "$f"; done

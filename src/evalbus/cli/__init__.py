@@ -1,0 +1,26 @@
+"""The `evalbus` command line. One module per subcommand; each adds its parser and a `run`."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from evalbus.cli import down, schemas, status, up
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser with every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="evalbus", description="Event-sourced evaluation of AI agents over NATS JetStream."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in (up, status, down, schemas):
+        module.register(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; the return value is the process exit code."""
+    args = build_parser().parse_args(argv)
+    code: int = args.run(args)
+    return code
