@@ -1,14 +1,15 @@
 """Entry point: `python -m evalbus_collector` (or `evalbus-collector`)."""
 
-from evalbus_runtime import Service, ServiceSettings, load_settings, run_service
+from evalbus_collector.service import CollectorSettings, build_collector
+from evalbus_runtime import Service, load_settings, run_service
 
 
 def main() -> None:
     """Run the collector until SIGTERM."""
-    settings = load_settings(ServiceSettings, "collector")
+    settings = load_settings(CollectorSettings, "collector")
 
     def build(service: Service) -> None:
-        del service  # stage wiring lands with the pipeline
+        build_collector(service, settings)
 
     run_service(settings, build)
 

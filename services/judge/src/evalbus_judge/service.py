@@ -3,6 +3,7 @@ feeding ready cases to `judge_event`, and the shared HTTP client's lifecycle."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 
 from evalbus_contracts import CaseCollected, CaseExecuted, CaseObserved
@@ -23,6 +24,19 @@ class JudgeSettings(ServiceSettings):
     """Default OpenAI-compatible endpoint for model judges that name none."""
     model_api_key_secret: str | None = None
     """Secret name of the default endpoint's API key."""
+    plugins: str | None = None
+    """Comma-separated `module:function` entries, each called with the registry at start to register
+    custom judges by name (referenced from specs as `kind: registered`)."""
+
+
+def load_plugins(registry: JudgeRegistry, plugins: str | None) -> None:
+    """Call every `module:function` in `plugins` with the registry."""
+    for entry in filter(None, (p.strip() for p in (plugins or "").split(","))):
+        module_name, _, attr = entry.partition(":")
+        if not attr:
+            raise ValueError(f"judge plugin {entry!r} must be module:function")
+        register = getattr(importlib.import_module(module_name), attr)
+        register(registry)
 
 
 def build_judge(service: Service, settings: JudgeSettings, registry: JudgeRegistry | None = None) -> JudgeRegistry:
@@ -32,6 +46,8 @@ def build_judge(service: Service, settings: JudgeSettings, registry: JudgeRegist
         chat=chat,
         model_defaults=ModelDefaults(base_url=settings.model_base_url, api_key_secret=settings.model_api_key_secret),
     )
+
+    load_plugins(reg, settings.plugins)
 
     async def start(_: Service) -> None:
         await chat.start()
