@@ -1,14 +1,15 @@
 """Entry point: `python -m evalbus_dispatcher` (or `evalbus-dispatcher`)."""
 
-from evalbus_runtime import Service, ServiceSettings, load_settings, run_service
+from evalbus_dispatcher.service import DispatcherSettings, build_dispatcher
+from evalbus_runtime import Service, load_settings, run_service
 
 
 def main() -> None:
     """Run the dispatcher until SIGTERM."""
-    settings = load_settings(ServiceSettings, "dispatcher")
+    settings = load_settings(DispatcherSettings, "dispatcher")
 
     def build(service: Service) -> None:
-        del service  # stage wiring lands with the pipeline
+        build_dispatcher(service, settings)
 
     run_service(settings, build)
 

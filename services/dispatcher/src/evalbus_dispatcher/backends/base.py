@@ -1,0 +1,100 @@
+"""The backend port: provision a sandbox for a case, run the harness in it, let compute graders
+exec in it, snapshot it, release it.
+
+A handle is used by one case, in this order: `run_harness` once, then any number of `exec`
+calls and a `snapshot`, then `release` (idempotent, always called, also on error paths).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from evalbus_contracts import CaseRequested, Snapshot
+from evalbus_grading import ExecResult
+
+OutputStream = Literal["stdout", "stderr"]
+"""Which stream of the harness a line came from."""
+
+OnOutput = Callable[[OutputStream, str], Awaitable[None]]
+"""Called with each line of harness output (newline removed) as soon as it is read."""
+
+
+@dataclass(frozen=True, slots=True)
+class HarnessRun:
+    """What running the harness produced. Secret values are already redacted from the text."""
+
+    exit_code: int | None
+    """Exit code (124 when killed on timeout, 128+n when killed by signal n); None if it never started."""
+    stdout: str
+    """Standard output, every line (the tail only, when `stdout_truncated`)."""
+    stderr: str
+    """Standard error (the tail only, when `stderr_truncated`)."""
+    duration_s: float = 0.0
+    """Seconds from spawn to exit."""
+    timed_out: bool = False
+    """Killed because it ran past its timeout."""
+    spawn_error: str | None = None
+    """Why the process could not be started (command not found, not executable...)."""
+    stdout_truncated: bool = False
+    """The head of stdout was dropped to respect the backend's output cap."""
+    stderr_truncated: bool = False
+    """The head of stderr was dropped to respect the backend's output cap."""
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """Compute slots of a backend."""
+
+    total: int
+    """Slots this backend offers."""
+    used: int
+    """Slots held by provisioned, not yet released sandboxes."""
+
+    @property
+    def free(self) -> int:
+        """Slots available now."""
+        return max(0, self.total - self.used)
+
+
+class SandboxHandle(Protocol):
+    """One provisioned sandbox, owned by one case."""
+
+    @property
+    def unit(self) -> str | None:
+        """Backend unit (process group, allocation, pod), once known."""
+        ...
+
+    @property
+    def node(self) -> str | None:
+        """Node the sandbox runs on."""
+        ...
+
+    async def run_harness(self, on_output: OnOutput) -> HarnessRun:
+        """Run the case's harness to completion or timeout, streaming each output line."""
+        ...
+
+    async def exec(self, command: str, timeout_s: float) -> ExecResult:
+        """Run a shell command in the sandbox's workdir (for compute graders)."""
+        ...
+
+    async def snapshot(self, answer: str) -> Snapshot:
+        """The environment at the end of the run."""
+        ...
+
+    async def release(self) -> None:
+        """Free the sandbox and everything in it. Idempotent."""
+        ...
+
+
+class Backend(Protocol):
+    """Where sandboxes come from."""
+
+    async def provision(self, job: CaseRequested) -> SandboxHandle:
+        """A sandbox ready to run `job`'s harness; raises `BackendError` when it cannot."""
+        ...
+
+    def capacity(self) -> Capacity:
+        """Slots offered and in use."""
+        ...

@@ -1,0 +1,528 @@
+"""The local backend: each case runs on this machine in its own temporary workdir and its own
+process group.
+
+The harness command (argv, no shell) gets the case input on stdin and in the file named by
+`EVALBUS_INPUT_FILE`, the run's ids in its environment, its plain `env`, and its `secret_env`
+resolved by name from the secret store. Secret values are redacted from everything read back.
+A timeout kills the whole process group (SIGTERM, then SIGKILL after a grace) and reads exit 124;
+release kills whatever is left of the group and deletes the workdir.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import platform
+import re
+import shutil
+import signal
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from urllib.parse import quote
+
+from evalbus_contracts import CaseRequested, PromptSnapshot, RepoSnapshot, Snapshot
+from evalbus_dispatcher.backends.base import Capacity, HarnessRun, OnOutput, OutputStream
+from evalbus_dispatcher.errors import BackendError
+from evalbus_grading import ExecResult
+from evalbus_runtime.secrets import SecretStore
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_EXIT = 124
+"""Exit code read when a process group is killed on timeout (as `timeout(1)` does)."""
+
+INHERITED_ENV: tuple[str, ...] = (
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "TERM",
+)  # fmt: skip
+"""Variables of the dispatcher's own environment a harness inherits. Nothing else leaks through
+(in particular no `EVALBUS_SECRET_*` and no service settings)."""
+
+REDACTED = "[redacted]"
+"""What a secret value is replaced with in any text read back from a sandbox."""
+
+_READ_CHUNK = 64 * 1024
+_MAX_LINE = 1024 * 1024
+_DIFF_CAP = 256 * 1024
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+_RESOURCE_KEY = "evalbus.run_id"
+
+
+# ---------------------------------------------------------------- environment (pure)
+
+
+def merge_resource_attributes(existing: str | None, run_id: str) -> str:
+    """`OTEL_RESOURCE_ATTRIBUTES` with `evalbus.run_id=<run id>` set, keeping the other attributes."""
+    kept = [
+        part for part in (existing or "").split(",") if part.strip() and part.split("=", 1)[0].strip() != _RESOURCE_KEY
+    ]
+    kept.append(f"{_RESOURCE_KEY}={quote(run_id, safe='-._~')}")
+    return ",".join(kept)
+
+
+def run_environment(job: CaseRequested, *, base: Mapping[str, str], input_file: Path) -> dict[str, str]:
+    """The environment of anything run for `job` (harness and grader commands), secrets excluded.
+
+    Precedence: inherited base < `harness.env` < evalbus's own variables.
+    """
+    env = dict(base)
+    env.update(job.harness.env)
+    env["EVALBUS_RUN_ID"] = job.run_id or ""
+    env["EVALBUS_CASE_ID"] = job.case.id
+    env["EVALBUS_TRIAL"] = str(job.trial or 1)
+    env["EVALBUS_ATTEMPT"] = str(job.attempt)
+    env["EVALBUS_INPUT_FILE"] = str(input_file)
+    if job.batch_id is not None:
+        env["EVALBUS_BATCH_ID"] = job.batch_id
+    else:
+        env.pop("EVALBUS_BATCH_ID", None)
+    env["OTEL_RESOURCE_ATTRIBUTES"] = merge_resource_attributes(env.get("OTEL_RESOURCE_ATTRIBUTES"), job.run_id or "")
+    return env
+
+
+def safe_relative_path(raw: str) -> PurePosixPath:
+    """A harness file path that stays inside the workdir; `BackendError` (config) otherwise."""
+    path = PurePosixPath(raw)
+    if not raw or path.is_absolute() or ".." in path.parts or str(path) in ("", "."):
+        raise BackendError(
+            f"harness file path {raw!r} must be relative and stay inside the workdir",
+            code="invalid_file_path",
+            failure_class="config",
+            retryable=False,
+        )
+    return path
+
+
+def _redactor(values: Iterable[str]) -> Callable[[str], str]:
+    secrets = sorted({v for v in values if v}, key=len, reverse=True)
+
+    def redact(text: str) -> str:
+        for value in secrets:
+            if value in text:
+                text = text.replace(value, REDACTED)
+        return text
+
+    return redact
+
+
+# ---------------------------------------------------------------- processes
+
+
+@dataclass
+class _Capture:
+    """The lines of one stream, keeping the tail when over the cap."""
+
+    cap: int
+    lines: deque[str] = field(default_factory=deque)
+    size: int = 0
+    truncated: bool = False
+
+    def add(self, line: str) -> None:
+        self.lines.append(line)
+        self.size += len(line) + 1
+        while self.size > self.cap and len(self.lines) > 1:
+            self.size -= len(self.lines.popleft()) + 1
+            self.truncated = True
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+@dataclass(frozen=True, slots=True)
+class _Exited:
+    exit_code: int
+    stdout: _Capture
+    stderr: _Capture
+    duration_s: float
+    timed_out: bool
+
+
+def _exit_code(returncode: int | None) -> int:
+    if returncode is None:
+        return -1
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+async def _pump(
+    reader: asyncio.StreamReader,
+    stream: OutputStream,
+    capture: _Capture,
+    redact: Callable[[str], str],
+    on_output: OnOutput | None,
+) -> None:
+    async def emit(raw: bytes) -> None:
+        line = redact(raw.decode("utf-8", errors="replace").removesuffix("\r"))
+        capture.add(line)
+        if on_output is not None:
+            try:
+                await on_output(stream, line)
+            except Exception:  # a live-view problem must never stall the pipe
+                log.exception("output callback failed; output keeps being read")
+
+    pending = b""
+    while chunk := await reader.read(_READ_CHUNK):
+        pending += chunk
+        *complete, pending = pending.split(b"\n")
+        for raw in complete:
+            await emit(raw)
+        if len(pending) > _MAX_LINE:
+            await emit(pending)
+            pending = b""
+    if pending:
+        await emit(pending)
+
+
+async def _feed(writer: asyncio.StreamWriter, data: bytes) -> None:
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        writer.write(data)
+        await writer.drain()
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        writer.close()
+        await writer.wait_closed()
+
+
+class _ExitAwareProtocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """asyncio's stream protocol, plus an event set when the process itself exits.
+
+    `Process.wait()` also waits for the pipes to close, which never happens while a leftover
+    process of the group holds them; the exit of the leader is what ends a run.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=_READ_CHUNK, loop=loop)
+        self.exited = asyncio.Event()
+
+    def process_exited(self) -> None:
+        super().process_exited()
+        self.exited.set()
+
+
+async def _run_process(
+    argv: tuple[str, ...],
+    *,
+    cwd: Path,
+    env: Mapping[str, str],
+    stdin: bytes | None,
+    timeout_s: float,
+    redact: Callable[[str], str],
+    on_output: OnOutput | None,
+    groups: set[int],
+    grace_s: float,
+    drain_s: float,
+    cap: int,
+) -> _Exited:
+    """Run argv in its own process group; raises OSError when it cannot be spawned."""
+    loop = asyncio.get_running_loop()
+    started = time.monotonic()
+    transport, protocol = await loop.subprocess_exec(
+        lambda: _ExitAwareProtocol(loop),
+        *argv,
+        cwd=cwd,
+        env=dict(env),
+        stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
+    pgid = transport.get_pid()  # the new session's process group id is the leader's pid
+    groups.add(pgid)
+    assert protocol.stdout is not None
+    assert protocol.stderr is not None
+    out, err = _Capture(cap), _Capture(cap)
+    tasks = [
+        asyncio.create_task(_pump(protocol.stdout, "stdout", out, redact, on_output)),
+        asyncio.create_task(_pump(protocol.stderr, "stderr", err, redact, on_output)),
+    ]
+    if stdin is not None and protocol.stdin is not None:
+        tasks.append(asyncio.create_task(_feed(protocol.stdin, stdin)))
+    timed_out = False
+    try:
+        try:
+            await asyncio.wait_for(protocol.exited.wait(), timeout_s)
+        except TimeoutError:
+            timed_out = True
+            _signal_group(pgid, signal.SIGTERM)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(protocol.exited.wait(), grace_s)
+            _signal_group(pgid, signal.SIGKILL)  # whatever ignored SIGTERM or outlived the leader
+            await protocol.exited.wait()
+        duration = time.monotonic() - started
+        # Processes left in the group may still hold the pipes: give them a bounded drain.
+        await asyncio.wait(tasks, timeout=drain_s)
+    except BaseException:  # cancelled: nothing of the group may outlive the caller
+        _signal_group(pgid, signal.SIGKILL)
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            await asyncio.wait_for(asyncio.shield(protocol.exited.wait()), grace_s + drain_s)
+        raise
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        transport.close()  # the pipes, even if a leftover still holds their other end
+    return _Exited(
+        exit_code=TIMEOUT_EXIT if timed_out else _exit_code(transport.get_returncode()),
+        stdout=out,
+        stderr=err,
+        duration_s=duration,
+        timed_out=timed_out,
+    )
+
+
+# ---------------------------------------------------------------- backend
+
+
+class LocalBackend:
+    """Sandboxes as temporary workdirs and process groups on this machine."""
+
+    def __init__(
+        self,
+        *,
+        slots: int = 4,
+        root: Path | None = None,
+        secrets: SecretStore | None = None,
+        environ: Mapping[str, str] | None = None,
+        inherit_env: Iterable[str] = INHERITED_ENV,
+        kill_grace_s: float = 2.0,
+        drain_s: float = 2.0,
+        output_cap_bytes: int = 16 * 1024 * 1024,
+    ) -> None:
+        source = os.environ if environ is None else environ
+        self._slots = slots
+        self._root = root
+        self._secrets = secrets if secrets is not None else SecretStore(source)
+        self._base_env = {name: source[name] for name in inherit_env if name in source}
+        self._grace_s = kill_grace_s
+        self._drain_s = drain_s
+        self._cap = output_cap_bytes
+        self._used = 0
+        self._node = platform.node() or None
+
+    def capacity(self) -> Capacity:
+        """Slots configured and held by unreleased sandboxes."""
+        return Capacity(total=self._slots, used=self._used)
+
+    async def provision(self, job: CaseRequested) -> LocalSandbox:
+        """A fresh workdir with the harness files written, secrets resolved; raises `BackendError`."""
+        secret_env: dict[str, str] = {}
+        for var, name in job.harness.secret_env.items():
+            secret = self._secrets.get(name)
+            if secret is None:
+                raise BackendError(
+                    f"secret {name!r} (for {var}) is not in the secret store",
+                    code="missing_secret",
+                    failure_class="config",
+                    retryable=False,
+                )
+            secret_env[var] = secret.reveal()
+        files = [(safe_relative_path(path), content) for path, content in job.harness.files.items()]
+        try:
+            prefix = f"evalbus-{_UNSAFE.sub('_', job.run_id or 'run')[:48]}-"
+            case_root = Path(tempfile.mkdtemp(prefix=prefix, dir=self._root))
+        except OSError as e:
+            raise BackendError(f"cannot create a workdir: {e}", code="workdir_failed") from e
+        try:
+            workdir = case_root / "work"
+            workdir.mkdir()
+            input_file = case_root / "input.txt"
+            input_file.write_text(job.case.input, encoding="utf-8")
+            for rel, content in files:
+                target = workdir / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(content, encoding="utf-8")
+        except OSError as e:
+            shutil.rmtree(case_root, ignore_errors=True)
+            raise BackendError(f"cannot prepare the workdir: {e}", code="workdir_failed") from e
+        self._used += 1
+        env = run_environment(job, base=self._base_env, input_file=input_file)
+        return LocalSandbox(
+            job=job,
+            case_root=case_root,
+            workdir=workdir,
+            env=env,
+            secret_env=secret_env,
+            node=self._node,
+            free_slot=self._slot_freed,
+            grace_s=self._grace_s,
+            drain_s=self._drain_s,
+            cap=self._cap,
+        )
+
+    def _slot_freed(self) -> None:
+        self._used -= 1
+
+
+class LocalSandbox:
+    """A case's workdir and the process groups started in it."""
+
+    def __init__(
+        self,
+        *,
+        job: CaseRequested,
+        case_root: Path,
+        workdir: Path,
+        env: dict[str, str],
+        secret_env: dict[str, str],
+        node: str | None,
+        free_slot: Callable[[], None],
+        grace_s: float,
+        drain_s: float,
+        cap: int,
+    ) -> None:
+        self._job = job
+        self._case_root = case_root
+        self.workdir = workdir
+        """Where the harness and grader commands run."""
+        self._env = env
+        self._secret_env = secret_env
+        self._node = node
+        self._free_slot = free_slot
+        self._grace_s = grace_s
+        self._drain_s = drain_s
+        self._cap = cap
+        self._groups: set[int] = set()
+        self._unit: str | None = None
+        self._released = False
+        self._redact = _redactor(secret_env.values())
+
+    @property
+    def unit(self) -> str | None:
+        """`pgid:<n>` of the harness's process group, once started."""
+        return self._unit
+
+    @property
+    def node(self) -> str | None:
+        """This machine's name."""
+        return self._node
+
+    @property
+    def released(self) -> bool:
+        """Whether `release` has run."""
+        return self._released
+
+    async def run_harness(self, on_output: OnOutput) -> HarnessRun:
+        """Run the harness command with the case input; a spawn failure is reported, not raised."""
+        self._check_live()
+        argv = self._job.harness.command
+        if not argv:
+            return HarnessRun(exit_code=None, stdout="", stderr="", spawn_error="the harness command is empty")
+        timeout_s = self._job.case.timeout_s or self._job.harness.timeout_s
+        groups_before = set(self._groups)
+        try:
+            exited = await _run_process(
+                argv,
+                cwd=self.workdir,
+                env={**self._env, **self._secret_env},
+                stdin=self._job.case.input.encode("utf-8"),
+                timeout_s=timeout_s,
+                redact=self._redact,
+                on_output=on_output,
+                groups=self._groups,
+                grace_s=self._grace_s,
+                drain_s=self._drain_s,
+                cap=self._cap,
+            )
+        except OSError as e:
+            return HarnessRun(
+                exit_code=None, stdout="", stderr="", spawn_error=self._redact(f"cannot start {argv[0]!r}: {e}")
+            )
+        finally:
+            started = self._groups - groups_before
+            if started:
+                self._unit = f"pgid:{min(started)}"
+        return HarnessRun(
+            exit_code=exited.exit_code,
+            stdout=exited.stdout.text(),
+            stderr=exited.stderr.text(),
+            duration_s=exited.duration_s,
+            timed_out=exited.timed_out,
+            stdout_truncated=exited.stdout.truncated,
+            stderr_truncated=exited.stderr.truncated,
+        )
+
+    async def exec(self, command: str, timeout_s: float) -> ExecResult:
+        """Run `command` with `/bin/sh -c` in the workdir (no secrets in its environment)."""
+        self._check_live()
+        exited = await _run_process(
+            ("/bin/sh", "-c", command),
+            cwd=self.workdir,
+            env=self._env,
+            stdin=None,
+            timeout_s=timeout_s,
+            redact=self._redact,
+            on_output=None,
+            groups=self._groups,
+            grace_s=self._grace_s,
+            drain_s=self._drain_s,
+            cap=self._cap,
+        )
+        return ExecResult(
+            exit_code=exited.exit_code,
+            stdout=exited.stdout.text(),
+            stderr=exited.stderr.text(),
+            timed_out=exited.timed_out,
+        )
+
+    async def snapshot(self, answer: str) -> Snapshot:
+        """A repo snapshot when the workdir is a git repository, else the answer as a prompt snapshot."""
+        self._check_live()
+        if (self.workdir / ".git").exists() and shutil.which("git") is not None:
+            repo = await self._repo_snapshot()
+            if repo is not None:
+                return repo
+        return PromptSnapshot(output=answer)
+
+    async def release(self) -> None:
+        """Kill what is left of every process group started here and delete the workdir. Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        try:
+            for pgid in self._groups:
+                _signal_group(pgid, signal.SIGKILL)
+            await asyncio.to_thread(shutil.rmtree, self._case_root, ignore_errors=True)
+            if self._case_root.exists():
+                raise BackendError(f"workdir {self._case_root} could not be deleted", code="release_failed")
+        finally:
+            self._free_slot()
+
+    def _check_live(self) -> None:
+        if self._released:
+            raise BackendError("the sandbox was already released", code="released", retryable=False)
+
+    async def _git(self, *args: str) -> str | None:
+        exited = await _run_process(
+            ("git", "-C", str(self.workdir), *args),
+            cwd=self.workdir,
+            env=self._env,
+            stdin=None,
+            timeout_s=60.0,
+            redact=self._redact,
+            on_output=None,
+            groups=self._groups,
+            grace_s=self._grace_s,
+            drain_s=self._drain_s,
+            cap=self._cap,
+        )
+        return exited.stdout.text() if exited.exit_code == 0 else None
+
+    async def _repo_snapshot(self) -> RepoSnapshot | None:
+        status = await self._git("status", "--porcelain=v1", "--untracked-files=all")
+        if status is None:
+            return None
+        changed = tuple(line[3:] for line in status.split("\n") if len(line) > 3)
+        head = await self._git("rev-parse", "HEAD")
+        diff = await self._git("diff", "HEAD") if head is not None else None
+        diff_text = diff or ""
+        if len(diff_text.encode("utf-8")) > _DIFF_CAP:
+            diff_text = diff_text.encode("utf-8")[:_DIFF_CAP].decode("utf-8", errors="ignore")
+        return RepoSnapshot(diff=diff_text, changed_files=changed, head_sha=head.strip() if head else None)

@@ -1,0 +1,353 @@
+"""Executing one case on a backend, releasing the sandbox at its last use.
+
+Order: mark `accepted` → provision → mark `started` → run the harness (its output teed live) →
+snapshot → compute graders → **release** (idempotent, also in `finally`) → `on_release()` →
+mark `released` → collect the trace (`job` mode) → observation graders → `case.executed`.
+In `control-plane` mode the observation graders are left to the collector.
+
+Every failure is data on the result (`CaseFailure`); `execute_case` raises only when cancelled
+(or given a request with neither a run id nor a batch id: `ValueError`, a poison message).
+The run's clock (`t`) starts when the dispatcher accepts the case; events the harness prints
+are shifted from the harness's clock (seconds since it started) onto it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from evalbus_contracts import (
+    CaseExecuted,
+    CaseFailure,
+    CaseRequested,
+    CaseResult,
+    CaseTimings,
+    Error,
+    Infra,
+    Placement,
+    Score,
+    Snapshot,
+    TraceEvent,
+    TraceRef,
+    batch_run_id,
+    utcnow,
+)
+from evalbus_contracts.results import FailureClass, FailureStage
+from evalbus_dispatcher.backends.base import Backend, HarnessRun, SandboxHandle
+from evalbus_dispatcher.collect import TracePuller, trace_ref_for
+from evalbus_dispatcher.errors import BackendError
+from evalbus_dispatcher.harness_output import complete_trace, log_tail, parse_stdout
+from evalbus_dispatcher.live import LiveSink, LiveTee, shift
+from evalbus_grading import Evidence, grade_compute, grade_observations, in_grader_order, partition, unmeasured_scores
+
+log = logging.getLogger(__name__)
+
+
+async def execute_case(
+    req: CaseRequested,
+    backend: Backend,
+    *,
+    live: LiveSink,
+    on_release: Callable[[], None],
+    trace_puller: TracePuller | None = None,
+) -> CaseExecuted:
+    """Run one case × trial and grade it, releasing the sandbox as early as possible.
+
+    `on_release` is called exactly once, right after the sandbox is released (or, when no
+    sandbox could be provisioned, right after that failure), so the caller can take the next
+    case while this one finishes. `trace_puller` is needed for `job` collect mode with a
+    platform trace; without one the collection fails (retryably) and the scores are kept.
+    """
+    return await _Execution(req, backend, live, on_release, trace_puller).run()
+
+
+def run_id_of(req: CaseRequested) -> str:
+    """The request's run id, derived from its batch, case and trial when absent."""
+    if req.run_id:
+        return req.run_id
+    if req.batch_id is None:
+        raise ValueError("a case request needs a run id or a batch id")
+    return batch_run_id(req.batch_id, req.case.id, req.trial)
+
+
+def merge_marks(marks: Sequence[Infra], events: Sequence[TraceEvent]) -> tuple[TraceEvent, ...]:
+    """Infra marks placed among the events by time; the events keep their own order.
+
+    Each mark goes right before the first event at or after its time (ahead on ties).
+    """
+    pending = deque(sorted(marks, key=lambda m: m.t))
+    out: list[TraceEvent] = []
+    for event in events:
+        while pending and pending[0].t <= event.t:
+            out.append(pending.popleft())
+        out.append(event)
+    out.extend(pending)
+    return tuple(out)
+
+
+@dataclass
+class _InSandbox:
+    """What was learned while the sandbox was held."""
+
+    run: HarnessRun | None = None
+    answer: str | None = None
+    events: list[TraceEvent] = field(default_factory=list)
+    t_end: float = 0.0
+    snapshot: Snapshot | None = None
+    scores: tuple[Score, ...] = ()
+    failure: CaseFailure | None = None
+
+    @property
+    def harness_ran(self) -> bool:
+        return self.run is not None and self.run.spawn_error is None
+
+
+class _Execution:
+    """The state of one `execute_case` call."""
+
+    def __init__(
+        self,
+        req: CaseRequested,
+        backend: Backend,
+        live: LiveSink,
+        on_release: Callable[[], None],
+        puller: TracePuller | None,
+    ) -> None:
+        self._req = req
+        self._backend = backend
+        self._live = live
+        self._on_release = on_release
+        self._puller = puller
+        self._run_id = run_id_of(req)
+        self._t0 = time.monotonic()
+        self._accepted_at = utcnow()
+        self._marks: list[Infra] = []
+        self._notes: list[TraceEvent] = []
+        self._unit: str | None = None
+        self._node: str | None = None
+        self._provisioned_mono: float | None = None
+        self._released_mono: float | None = None
+        self._started_at: datetime | None = None
+        self._released_at: datetime | None = None
+        self._release_signalled = False
+        self._sandbox_released = False
+
+    def _t(self) -> float:
+        return time.monotonic() - self._t0
+
+    async def run(self) -> CaseExecuted:
+        try:
+            return await self._run()
+        finally:
+            self._signal_release()  # exactly once, whatever happened (cancellation included)
+
+    async def _run(self) -> CaseExecuted:
+        async with LiveTee(self._live) as tee:
+            await self._mark(tee, "accepted", "accepted by a dispatcher")
+            self._provisioned_mono = time.monotonic()
+            try:
+                handle = await self._backend.provision(self._req)
+            except BackendError as e:
+                self._signal_release()
+                failure = self._failure(e.stage, e.failure_class, e.code, e.message, retryable=e.retryable)
+                return self._build(_InSandbox(failure=failure))
+            except Exception as e:
+                log.exception("provisioning failed")
+                self._signal_release()
+                message = f"{type(e).__name__}: {e}"
+                failure = self._failure("dispatch", "infra", "provision_failed", message, retryable=True)
+                return self._build(_InSandbox(failure=failure))
+            try:
+                held = await self._in_sandbox(handle, tee)
+            except Exception as e:
+                log.exception("executing the case failed")
+                message = f"{type(e).__name__}: {e}"
+                held = _InSandbox(failure=self._failure("run", "infra", "dispatcher_error", message, retryable=True))
+            finally:
+                await self._release(handle, tee)
+            return self._build(await self._after_release(held))
+
+    async def _in_sandbox(self, handle: SandboxHandle, tee: LiveTee) -> _InSandbox:
+        req = self._req
+        self._unit, self._node = handle.unit, handle.node
+        self._started_at = utcnow()
+        started_t = self._t()
+        await self._mark(tee, "started", "harness starting", t=started_t)
+        tee.t_offset = started_t
+        run = await handle.run_harness(tee.on_output)
+        self._unit = handle.unit or self._unit
+        held = _InSandbox(run=run, t_end=started_t + run.duration_s)
+        if run.spawn_error is not None:
+            held.failure = self._failure("run", "config", "spawn_failed", run.spawn_error)
+            return held
+        output = parse_stdout(run.stdout)
+        held.answer = output.answer
+        held.events = [shift(e, started_t) for e in output.events]
+        if output.invalid_lines:
+            held.events.append(
+                Error(message=f"{output.invalid_lines} torn or invalid EVALBUS_* line(s) skipped", t=held.t_end)
+            )
+        tail = log_tail(run.stdout, run.stderr)
+        timeout_s = req.case.timeout_s or req.harness.timeout_s
+        if run.timed_out:
+            held.failure = self._failure(
+                "run", "agent", "timeout", f"harness ran past {timeout_s:g}s and was killed (exit 124)", log_tail=tail
+            )
+        elif run.exit_code != 0:
+            held.failure = self._failure(
+                "run", "agent", "exit_nonzero", f"harness exited with {run.exit_code}", log_tail=tail
+            )
+        try:
+            held.snapshot = await handle.snapshot(output.answer)
+        except Exception as e:
+            self._notes.append(Error(message=f"snapshot failed: {type(e).__name__}: {e}", t=self._t()))
+        held.scores = await grade_compute(req.case.graders, handle)
+        return held
+
+    async def _release(self, handle: SandboxHandle, tee: LiveTee) -> None:
+        if self._sandbox_released:
+            return
+        self._sandbox_released = True
+        try:
+            await handle.release()
+        except Exception as e:
+            log.warning("sandbox release failed", exc_info=True)
+            self._notes.append(Error(message=f"sandbox release failed: {type(e).__name__}: {e}", t=self._t()))
+        self._signal_release()
+        await self._mark(tee, "released", "compute slot released")
+
+    def _signal_release(self) -> None:
+        if self._release_signalled:
+            return
+        self._release_signalled = True
+        self._released_mono = time.monotonic()
+        self._released_at = utcnow()
+        try:
+            self._on_release()
+        except Exception:
+            log.exception("on_release callback failed")
+
+    async def _after_release(self, held: _InSandbox) -> _InSandbox:
+        """Trace collection and observation graders, with the sandbox already gone."""
+        if not held.harness_ran or held.run is None:
+            return held
+        harness = self._req.harness
+        _, observation = partition(self._req.case.graders)
+        kind = harness.trace.kind
+        answer = held.answer or ""
+        if kind == "none":
+            held.events = list(
+                complete_trace(held.events, answer=answer, trace_kind=kind, stderr=held.run.stderr, t_end=held.t_end)
+            )
+            held.scores += grade_observations(observation, self._evidence(held))
+            return held
+        if harness.trace.collect == "control-plane":
+            return held  # the collector completes the trace and grades what is deferred
+        ref = trace_ref_for(harness, self._run_id)
+        assert ref is not None
+        try:
+            pulled = await self._pull(ref)
+        except Exception as e:
+            message = f"trace pull from {ref.kind} failed: {type(e).__name__}: {e}"
+            log.warning("%s", message)
+            collect_failure = self._failure("collect", "infra", "collect_failed", message, retryable=True)
+            if held.failure is None:
+                held.failure = collect_failure
+            else:
+                self._notes.append(Error(message=message, t=self._t()))
+            held.events = list(complete_trace(held.events, answer=answer, trace_kind=kind, stderr="", t_end=held.t_end))
+            held.scores += unmeasured_scores(
+                observation, "missing_evidence", "the trace could not be pulled", retryable=True
+            )
+            return held
+        if not pulled:
+            self._notes.append(Error(message=f"the {ref.kind} trace pull returned no events", t=self._t()))
+        held.events = list(
+            complete_trace([*held.events, *pulled], answer=answer, trace_kind=kind, stderr="", t_end=held.t_end)
+        )
+        held.scores += grade_observations(observation, self._evidence(held))
+        return held
+
+    async def _pull(self, ref: TraceRef) -> list[TraceEvent]:
+        if self._puller is None:
+            raise BackendError("no trace puller is configured for job-mode collection", code="collect_failed")
+        return await self._puller.pull(ref)
+
+    def _evidence(self, held: _InSandbox) -> Evidence:
+        return Evidence(answer=held.answer, trace=self._trace(held), expected=self._req.case.expected)
+
+    def _trace(self, held: _InSandbox) -> tuple[TraceEvent, ...]:
+        return merge_marks(self._marks, [*held.events, *sorted(self._notes, key=lambda e: e.t)])
+
+    async def _mark(self, tee: LiveTee, event: str, message: str, *, t: float | None = None) -> None:
+        at = self._t() if t is None else t
+        mark = Infra(scope="placement", event=event, message=message, unit=self._unit, node=self._node, t=at)
+        self._marks.append(mark)
+        await tee.mark(mark)
+
+    def _failure(
+        self,
+        stage: FailureStage,
+        failure_class: FailureClass,
+        code: str,
+        message: str,
+        *,
+        retryable: bool = False,
+        log_tail: str | None = None,
+    ) -> CaseFailure:
+        return CaseFailure(
+            stage=stage,
+            failure_class=failure_class,
+            code=code,
+            message=message,
+            retryable=retryable,
+            placement=Placement(unit=self._unit, node=self._node, events=tuple(self._marks)),
+            log_tail=log_tail,
+        )
+
+    def _build(self, held: _InSandbox) -> CaseExecuted:
+        req = self._req
+        harness = req.harness
+        ran = held.harness_ran
+        control_plane = ran and harness.trace.kind != "none" and harness.trace.collect == "control-plane"
+        _, observation = partition(req.case.graders)
+        run = held.run
+        provisioned, released = self._provisioned_mono, self._released_mono
+        timings = CaseTimings(
+            queued_at=self._accepted_at,
+            started_at=self._started_at,
+            released_at=self._released_at,
+            executed_at=utcnow(),
+            sandbox_seconds=(released - provisioned) if provisioned is not None and released is not None else 0.0,
+            harness_seconds=run.duration_s if run is not None else 0.0,
+        )
+        result = CaseResult(
+            case_id=req.case.id,
+            run_id=self._run_id,
+            harness=f"{harness.id}@{harness.version}",
+            trial=req.trial,
+            answer=held.answer,
+            exit_code=run.exit_code if run is not None else None,
+            trace=self._trace(held),
+            scores=in_grader_order(req.case.graders, held.scores),
+            snapshot=held.snapshot,
+            failure=held.failure,
+            trace_ref=trace_ref_for(harness, self._run_id) if ran else None,
+            timings=timings,
+        )
+        return CaseExecuted(
+            batch_id=req.batch_id,
+            case_id=req.case_id or req.case.id,
+            run_id=self._run_id,
+            attempt=req.attempt,
+            status="failed" if held.failure is not None else "succeeded",
+            result=result,
+            plan=req.plan,
+            case=req.case,
+            trace_complete=not control_plane,
+            deferred_graders=tuple(g.id for g in observation) if control_plane else (),
+        )

@@ -1,0 +1,162 @@
+"""Reading what a command harness prints (pure).
+
+On stdout, a line `EVALBUS_EVENT {json}` is one trace event and a line `EVALBUS_RESULT {json}`
+carries `{"answer": ...}`; both are control lines, hidden from the log users see. A torn or
+invalid control line is skipped, never fatal. Without a result line the answer is the rest of
+stdout, stripped.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+
+from evalbus_contracts import Log, Message, TraceEvent
+from evalbus_contracts.specs import TraceKind
+
+EVENT_PREFIX = "EVALBUS_EVENT"
+"""Marks a trace event line."""
+RESULT_PREFIX = "EVALBUS_RESULT"
+"""Marks the result line."""
+TAIL_BYTES = 16 * 1024
+"""Cap on log tails (stderr log event, failure evidence)."""
+
+_CONTROL = re.compile(r"^\s*(EVALBUS_EVENT|EVALBUS_RESULT)(?:\s+(.*))?$", re.DOTALL)
+_event_decoder: msgspec.json.Decoder[TraceEvent] = msgspec.json.Decoder(TraceEvent)
+
+
+class _ResultLine(msgspec.Struct, frozen=True):
+    answer: str
+
+
+_result_decoder = msgspec.json.Decoder(_ResultLine)
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedLine:
+    """One classified stdout line."""
+
+    kind: Literal["text", "event", "result", "invalid"]
+    """Plain text, a decoded event, a decoded result, or a torn/invalid control line."""
+    event: TraceEvent | None = None
+    """The event, for `event`."""
+    answer: str | None = None
+    """The answer, for `result`."""
+
+
+@dataclass(frozen=True, slots=True)
+class HarnessOutput:
+    """What a harness's stdout says."""
+
+    answer: str
+    """The final answer."""
+    events: tuple[TraceEvent, ...]
+    """Trace events, in printed order."""
+    invalid_lines: int = 0
+    """Control lines that could not be decoded (skipped)."""
+    has_result: bool = False
+    """The answer came from a result line."""
+
+
+def parse_line(line: str) -> ParsedLine:
+    """Classify one stdout line (without its newline)."""
+    m = _CONTROL.match(line)
+    if m is None:
+        return ParsedLine(kind="text")
+    payload = (m.group(2) or "").strip()
+    try:
+        if m.group(1) == EVENT_PREFIX:
+            return ParsedLine(kind="event", event=_event_decoder.decode(payload))
+        return ParsedLine(kind="result", answer=_result_decoder.decode(payload).answer)
+    except msgspec.DecodeError:
+        return ParsedLine(kind="invalid")
+
+
+def is_control_line(line: str) -> bool:
+    """Whether a line is an event or result line (valid or torn): such lines are not user log."""
+    return _CONTROL.match(line) is not None
+
+
+def strip_control_lines(text: str) -> str:
+    """The text without its control lines."""
+    return "\n".join(line for line in text.split("\n") if not is_control_line(line))
+
+
+def parse_stdout(stdout: str) -> HarnessOutput:
+    """Events, answer and invalid-line count of a harness's whole stdout.
+
+    The answer is the last result line's; else the non-control stdout, stripped; else (when that
+    is empty) the text of the last assistant message among the events.
+    """
+    events: list[TraceEvent] = []
+    text: list[str] = []
+    answer: str | None = None
+    invalid = 0
+    for line in stdout.split("\n"):
+        parsed = parse_line(line)
+        if parsed.kind == "text":
+            text.append(line)
+        elif parsed.kind == "event" and parsed.event is not None:
+            events.append(parsed.event)
+        elif parsed.kind == "result":
+            answer = parsed.answer
+        else:
+            invalid += 1
+    has_result = answer is not None
+    if answer is None:
+        answer = "\n".join(text).strip() or (last_assistant_text(events) or "")
+    return HarnessOutput(answer=answer, events=tuple(events), invalid_lines=invalid, has_result=has_result)
+
+
+def last_assistant_text(events: Iterable[TraceEvent]) -> str | None:
+    """Text of the last assistant message, if any."""
+    found: str | None = None
+    for event in events:
+        if isinstance(event, Message) and event.role == "assistant":
+            found = event.text
+    return found
+
+
+def tail(text: str, limit_bytes: int = TAIL_BYTES) -> str:
+    """The last `limit_bytes` bytes of `text` (UTF-8), never splitting a character."""
+    data = text.encode("utf-8")
+    if len(data) <= limit_bytes:
+        return text
+    return data[-limit_bytes:].decode("utf-8", errors="ignore")
+
+
+def log_tail(stdout: str, stderr: str, limit_bytes: int = TAIL_BYTES) -> str | None:
+    """Failure evidence: the stderr tail, else the stdout tail, control lines stripped."""
+    for text in (stderr, stdout):
+        cleaned = strip_control_lines(text).strip()
+        if cleaned:
+            return tail(cleaned, limit_bytes)
+    return None
+
+
+def complete_trace(
+    events: Sequence[TraceEvent],
+    *,
+    answer: str,
+    trace_kind: TraceKind,
+    stderr: str,
+    t_end: float,
+) -> tuple[TraceEvent, ...]:
+    """The trace with what a harness leaves implicit made explicit.
+
+    Without an assistant message, the answer is appended as one (when there is an answer). For a
+    harness without a platform trace (`none`), the stderr tail — on success and failure alike —
+    is appended as a `log` event, since it is the only record of what the agent did.
+    """
+    out = list(events)
+    if answer and last_assistant_text(out) is None:
+        out.append(Message(role="assistant", text=answer, t=t_end))
+    if trace_kind == "none":
+        err = strip_control_lines(stderr).strip("\n")
+        if err.strip():
+            out.append(Log(stream="stderr", text=tail(err), t=t_end))
+    return tuple(out)

@@ -1,0 +1,176 @@
+"""Wiring of the dispatcher: fan-out of `batch.requested`, execution of `case.requested` on the
+local backend with compute slots (a replica pulls only when a slot is free, and gives the slot back
+the moment the sandbox is released), live output to the LIVE stream, cancellations honoured, job-mode
+trace collection through `evalbus_traces`, retries of retryable infrastructure failures."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import aiohttp
+from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
+
+from evalbus_contracts import (
+    BatchCancelled,
+    BatchRequested,
+    CaseRequested,
+    Infra,
+    InfraMark,
+    LiveLog,
+    LiveTrace,
+    TraceEvent,
+    TraceRef,
+    decode_event,
+)
+from evalbus_contracts.events import EventBase
+from evalbus_contracts.streams import DISPATCHER_BATCHES, DISPATCHER_CASES
+from evalbus_dispatcher.backends.local import LocalBackend
+from evalbus_dispatcher.cancellation import cancelled_execution
+from evalbus_dispatcher.execute import execute_case, run_id_of
+from evalbus_dispatcher.fanout import fan_out
+from evalbus_dispatcher.retry import next_attempt, should_retry
+from evalbus_runtime import Delivery, Publisher, SecretStore, Service, ServiceSettings, Stage
+from evalbus_traces import build_source, collect_trace
+from evalbus_traces.errors import TraceUnavailableError
+
+log = logging.getLogger("evalbus.dispatcher")
+
+CancelReason = Literal["cancelled", "superseded"]
+
+
+class DispatcherSettings(ServiceSettings):
+    """Settings of the dispatcher (`DISPATCHER_<KEY>`, then `<KEY>`)."""
+
+    slots: int = os.cpu_count() or 2
+    """Compute slots: sandboxes at once on this replica."""
+    retry_backoff_s: float = 1.0
+    """Delay before attempt n+1 of a run: n × this."""
+    workdir_root: str | None = None
+    """Where case workdirs are made (default: the system temp folder)."""
+
+
+class LiveBus:
+    """A running case's live output onto the LIVE stream (`run.<run>.live.*`)."""
+
+    def __init__(self, publisher: Publisher, req: CaseRequested) -> None:
+        self._pub = publisher
+        self._ids = {"batch_id": req.batch_id, "case_id": req.case_id, "run_id": run_id_of(req), "attempt": req.attempt}
+        self._seq = {"stdout": 0, "stderr": 0, "trace": 0}
+
+    async def log(self, stream: Literal["stdout", "stderr"], text: str) -> None:
+        self._seq[stream] += 1
+        await self._pub.publish_event(LiveLog(seq=self._seq[stream], stream=stream, text=text, **self._ids))  # type: ignore[arg-type]
+
+    async def trace(self, events: Sequence[TraceEvent]) -> None:
+        self._seq["trace"] += 1
+        await self._pub.publish_event(LiveTrace(seq=self._seq["trace"], events=tuple(events), **self._ids))  # type: ignore[arg-type]
+
+    async def infra(self, mark: Infra) -> None:
+        await self._pub.publish_event(InfraMark(mark=mark, **self._ids))  # type: ignore[arg-type]
+
+
+class PlatformTracePuller:
+    """Job-mode collection: the harness's platform trace through an `evalbus_traces` source."""
+
+    def __init__(self, secrets: SecretStore) -> None:
+        self._secrets = secrets
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def pull(self, ref: TraceRef) -> list[TraceEvent]:
+        assert self._session is not None
+        outcome = await collect_trace(build_source(ref, self._secrets, self._session), ref)
+        if outcome.status in ("unavailable", "missing_secret"):
+            raise TraceUnavailableError(outcome.error or outcome.status)
+        events = list(outcome.events)
+        if outcome.error_event is not None:
+            events.append(outcome.error_event)
+        return events
+
+
+class Cancellations:
+    """Which batches are cancelled or superseded, from `batch.cancelled.*` (last per batch)."""
+
+    def __init__(self) -> None:
+        self._reasons: dict[str, CancelReason] = {}
+
+    def reason(self, batch_id: str | None) -> CancelReason | None:
+        return None if batch_id is None else self._reasons.get(batch_id)
+
+    async def start(self, js: JetStreamContext) -> None:
+        """Follow cancellations; return once every cancellation already stored has been read."""
+
+        async def on_msg(msg: object) -> None:
+            event = decode_event(msg.data)  # type: ignore[attr-defined]
+            if isinstance(event, BatchCancelled) and event.batch_id:
+                self._reasons[event.batch_id] = event.reason
+
+        info = await js.stream_info("CASES", subjects_filter="batch.cancelled.>")
+        known = len(info.state.subjects or {})
+        await js.subscribe(
+            "batch.cancelled.>", cb=on_msg, ordered_consumer=True, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT
+        )
+        for _ in range(500):
+            if len(self._reasons) >= known:
+                return
+            await asyncio.sleep(0.01)
+        log.warning("read %d of %d cancellations at start", len(self._reasons), known)
+
+
+def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
+    """Add the fan-out and execution stages to `service`."""
+    secrets = SecretStore()
+    backend = LocalBackend(
+        slots=settings.slots,
+        root=None if settings.workdir_root is None else Path(settings.workdir_root),
+        secrets=secrets,
+    )
+    puller = PlatformTracePuller(secrets)
+    cancels = Cancellations()
+
+    async def start(svc: Service) -> None:
+        await puller.start()
+        await cancels.start(svc.js)
+
+    async def stop(_: Service) -> None:
+        await puller.close()
+
+    async def on_batch(event: BatchRequested, _: Delivery) -> Sequence[EventBase]:
+        return fan_out(event)
+
+    async def on_case(req: CaseRequested, delivery: Delivery) -> Sequence[EventBase]:
+        reason = cancels.reason(req.batch_id)
+        if reason is not None:
+            return [cancelled_execution(req, reason)]
+        if req.attempt > 1:
+            await asyncio.sleep(settings.retry_backoff_s * (req.attempt - 1))
+        executed = await execute_case(
+            req,
+            backend,
+            live=LiveBus(service.publisher, req),
+            on_release=delivery.release_slot,
+            trace_puller=puller,
+        )
+        if should_retry(executed, req.attempt, req.plan.retries):
+            log.info("retrying %s after a retryable %s failure", executed.run_id, executed.result.failure)
+            return [next_attempt(req)]
+        return [executed]
+
+    service.on_start(start)
+    service.on_stop(stop)
+    service.add_stage(Stage(consumer=DISPATCHER_BATCHES, handler=on_batch, accepts=(BatchRequested,), concurrency=8))
+    service.add_stage(
+        Stage(consumer=DISPATCHER_CASES, handler=on_case, accepts=(CaseRequested,), concurrency=settings.slots)
+    )
