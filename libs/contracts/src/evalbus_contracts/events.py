@@ -94,6 +94,9 @@ class BatchRequested(_Event, frozen=True, kw_only=True, tag="batch.requested"):
     """The validated spec."""
     submitted_by: str
     """Principal that submitted it."""
+    rejudge_of: str | None = None
+    """Set for a re-judge: the batch whose `case.executed` events are replayed to the judges
+    (the dispatcher executes nothing for it)."""
 
     def subject(self) -> str:
         return s.batch_subject(s.BATCH_REQUESTED, _req(self.batch_id))

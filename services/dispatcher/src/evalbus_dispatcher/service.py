@@ -148,6 +148,8 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         await puller.close()
 
     async def on_batch(event: BatchRequested, _: Delivery) -> Sequence[EventBase]:
+        if event.rejudge_of is not None:
+            return []  # a re-judge replays executed cases; nothing runs again
         return fan_out(event)
 
     async def on_case(req: CaseRequested, delivery: Delivery) -> Sequence[EventBase]:
