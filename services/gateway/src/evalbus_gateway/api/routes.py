@@ -1,0 +1,500 @@
+"""The HTTP routes of the gateway and their installation on the chassis' aiohttp app.
+
+Reads come from the PostgreSQL read models (the stream only fills in a batch that is not recorded
+yet), so every replica answers the same; writes are events published to JetStream
+(`batch.requested`, `batch.cancelled`) with their dedup ids. Members see and cancel only the
+batches they submitted — another member's batch is answered 404, exactly like a missing one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+from datetime import datetime
+from typing import Any, cast
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from evalbus_contracts import BatchCancelled, BatchRequested, BatchSpec, encode
+from evalbus_gateway.api.auth import Principal, authenticate, require_admin
+from evalbus_gateway.api.errors import ApiError, error_middleware, not_found
+from evalbus_gateway.api.models import (
+    BatchAccepted,
+    BatchLinks,
+    BatchPage,
+    CancelAccepted,
+    CancelRequest,
+    CasePage,
+    ErrorBody,
+    Health,
+    Me,
+    Readiness,
+)
+from evalbus_gateway.api.openapi import build_openapi
+from evalbus_gateway.api.reads import finalized_on_stream, find_batch, list_batches
+from evalbus_gateway.api.sse import stream_batch_events
+from evalbus_gateway.api.table import Body, Call, Param, Route
+from evalbus_gateway.api.validation import (
+    check_batch_spec,
+    decode_cursor,
+    encode_cursor,
+    header_seq,
+    parse_json,
+    path_id,
+    query_choice,
+    query_int,
+    query_str,
+    read_body,
+    read_json,
+)
+from evalbus_gateway.state import GatewayState
+from evalbus_gateway.store import (
+    get_batch,
+    get_run,
+    get_trajectory,
+    list_runs,
+    open_batches_by_supersede_key,
+    rebuild_read_models,
+)
+from evalbus_gateway.store.queries import BatchView, RebuildOutcome, RunView, Stage, Trajectory
+
+log = logging.getLogger("evalbus.gateway.api")
+
+STAGES = ("requested", "executed", "collected", "judged", "exported")
+"""Values of the `stage` filter on a batch's cases."""
+_IDEMPOTENCY_KEY_MAX = 200
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def json_response(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    """A JSON response encoded by msgspec."""
+    return web.Response(status=status, body=encode(value), content_type="application/json", headers=headers)
+
+
+def new_batch_id() -> str:
+    """A fresh batch id: `b` + 12 hex digits (short and subject-safe)."""
+    return "b" + secrets.token_hex(6)
+
+
+def idempotent_batch_id(principal: str, key: str) -> str:
+    """The batch id of a submission with an `Idempotency-Key`: the same principal and key give the
+    same id, so a retried POST publishes the same `batch.requested` (deduplicated by JetStream)."""
+    return "b" + hashlib.sha256(f"{principal}\0{key}".encode()).hexdigest()[:12]
+
+
+def links(batch_id: str) -> BatchLinks:
+    """Where to follow a batch."""
+    base = f"/v1/batches/{batch_id}"
+    return BatchLinks(self_=base, cases=f"{base}/cases", events=f"{base}/events", cancel=f"{base}/cancel")
+
+
+async def visible_batch(call: Call, batch_id: str) -> BatchView:
+    """The batch if the caller may see it; 404 otherwise (missing and not-yours look the same)."""
+    view = await find_batch(call.state.pool, call.state.js, batch_id)
+    if view is None or not call.user.may_access(view.submitted_by):
+        raise not_found("batch", "batch_id", batch_id)
+    return view
+
+
+async def visible_run(call: Call, run_id: str) -> RunView:
+    """The run if the caller may see its batch; 404 otherwise."""
+    run = await get_run(call.state.pool, run_id)
+    if run is None:
+        raise not_found("run", "run_id", run_id)
+    if call.user.is_admin:
+        return run
+    owner = None
+    if run.batch_id is not None:
+        batch = await find_batch(call.state.pool, call.state.js, run.batch_id)
+        owner = batch.submitted_by if batch is not None else None
+    if not call.user.may_access(owner):
+        raise not_found("run", "run_id", run_id)
+    return run
+
+
+def _idempotency_key(request: web.Request) -> str | None:
+    key = request.headers.get("Idempotency-Key")
+    if key is None:
+        return None
+    if not key or len(key) > _IDEMPOTENCY_KEY_MAX or not key.isprintable():
+        raise ApiError(
+            400,
+            "invalid",
+            f"Idempotency-Key must be 1 to {_IDEMPOTENCY_KEY_MAX} printable characters",
+            "Idempotency-Key",
+        )
+    return key
+
+
+async def _supersede(call: Call, spec: BatchSpec, new_id: str) -> tuple[str, ...]:
+    """Cancel, as superseded by `new_id`, every open batch with the spec's supersede key that the
+    caller may cancel (an admin: all of them; a member: its own)."""
+    if spec.supersede_key is None:
+        return ()
+    state = call.state
+    candidates = [b for b in await open_batches_by_supersede_key(state.pool, spec.supersede_key) if b != new_id]
+    chosen: list[str] = []
+    for batch_id in candidates:
+        if not call.user.is_admin:
+            view = await get_batch(state.pool, batch_id)
+            if view is None or not call.user.may_access(view.submitted_by):
+                continue
+        chosen.append(batch_id)
+    events = [BatchCancelled(batch_id=old, reason="superseded", by=new_id, superseded_by=new_id) for old in chosen]
+    await state.publisher.publish_events(events)
+    return tuple(chosen)
+
+
+# ---------------------------------------------------------------- handlers
+
+
+async def submit_batch(call: Call) -> web.StreamResponse:
+    """POST /v1/batches."""
+    state = call.state
+    spec = await read_json(call.request, BatchSpec, state.settings.max_request_bytes)
+    check_batch_spec(spec)
+    key = _idempotency_key(call.request)
+    batch_id = idempotent_batch_id(call.user.name, key) if key else new_batch_id()
+    event = BatchRequested(batch_id=batch_id, spec=spec, submitted_by=call.user.name)
+    size = len(encode(event))
+    max_payload = int(getattr(state.nc, "max_payload", 0) or 0)
+    if max_payload and size > max_payload:
+        raise ApiError(
+            413, "payload_too_large", f"the batch is {size} bytes, more than the bus accepts ({max_payload})", "$"
+        )
+    await state.publisher.publish_event(event)
+    superseded = await _supersede(call, spec, batch_id)
+    log.info("batch %s requested by %s (%d cases)", batch_id, call.user.name, len(spec.suite.cases))
+    body = BatchAccepted(batch_id=batch_id, links=links(batch_id), superseded=superseded)
+    return json_response(body, status=202, headers={"Location": body.links.self_})
+
+
+async def list_batches_route(call: Call) -> web.StreamResponse:
+    """GET /v1/batches."""
+    settings = call.state.settings
+    request = call.request
+    limit = query_int(request, "limit", default=settings.page_size, low=1, high=settings.max_page_size)
+    owner = None if call.user.is_admin else call.user.name
+    scope = owner or "*"
+    raw_cursor = query_str(request, "cursor")
+    after = None
+    if raw_cursor is not None:
+        created, batch_id = decode_cursor(raw_cursor, "batches", scope, size=2)
+        try:
+            after = (datetime.fromisoformat(created), batch_id)
+        except ValueError:
+            raise ApiError(400, "invalid_cursor", "cursor is not one this API returned", "cursor") from None
+    views, position = await list_batches(call.state.pool, submitted_by=owner, limit=limit, after=after)
+    cursor = encode_cursor("batches", scope, (position[0].isoformat(), position[1])) if position else None
+    return json_response(BatchPage(batches=tuple(views), next_cursor=cursor))
+
+
+async def get_batch_route(call: Call) -> web.StreamResponse:
+    """GET /v1/batches/{batch_id}."""
+    return json_response(await visible_batch(call, path_id(call.request, "batch_id")))
+
+
+async def batch_cases(call: Call) -> web.StreamResponse:
+    """GET /v1/batches/{batch_id}/cases."""
+    settings = call.state.settings
+    request = call.request
+    batch_id = path_id(request, "batch_id")
+    limit = query_int(request, "limit", default=settings.page_size, low=1, high=settings.max_page_size)
+    stage = query_choice(request, "stage", STAGES)
+    raw_cursor = query_str(request, "cursor")
+    after = decode_cursor(raw_cursor, "cases", f"{batch_id}/{stage or '*'}", size=1)[0] if raw_cursor else None
+    await visible_batch(call, batch_id)
+    page = await list_runs(call.state.pool, batch_id, limit=limit, cursor=after, stage=cast("Stage | None", stage))
+    cursor = encode_cursor("cases", f"{batch_id}/{stage or '*'}", (page.next_cursor,)) if page.next_cursor else None
+    return json_response(CasePage(cases=page.runs, next_cursor=cursor))
+
+
+async def batch_events(call: Call) -> web.StreamResponse:
+    """GET /v1/batches/{batch_id}/events (SSE)."""
+    request = call.request
+    batch_id = path_id(request, "batch_id")
+    last_event_id = header_seq(request, "Last-Event-ID")
+    await visible_batch(call, batch_id)
+    state = call.state
+    return await stream_batch_events(
+        request,
+        state.js,
+        batch_id,
+        last_event_id=last_event_id,
+        heartbeat_s=state.settings.sse_heartbeat_s,
+        streams=state.streams,
+    )
+
+
+async def cancel_batch(call: Call) -> web.StreamResponse:
+    """POST /v1/batches/{batch_id}/cancel."""
+    state = call.state
+    request = call.request
+    batch_id = path_id(request, "batch_id")
+    body = await read_body(request, state.settings.max_request_bytes)
+    if body.strip():
+        parse_json(body, CancelRequest)
+    view = await visible_batch(call, batch_id)
+    finalized = await finalized_on_stream(state.js, batch_id)
+    if finalized is not None or view.finalized_at is not None:
+        status = finalized[1].status if finalized is not None else view.status
+        raise ApiError(409, "conflict", f"batch {batch_id} is already finalized ({status})", "batch_id")
+    if view.cancel_reason is not None:
+        return json_response(CancelAccepted(batch_id=batch_id, reason=view.cancel_reason), status=202)
+    await state.publisher.publish_event(BatchCancelled(batch_id=batch_id, reason="cancelled", by=call.user.name))
+    log.info("batch %s cancelled by %s", batch_id, call.user.name)
+    return json_response(CancelAccepted(batch_id=batch_id), status=202)
+
+
+async def get_run_route(call: Call) -> web.StreamResponse:
+    """GET /v1/runs/{run_id}."""
+    return json_response(await visible_run(call, path_id(call.request, "run_id")))
+
+
+async def run_trajectory(call: Call) -> web.StreamResponse:
+    """GET /v1/runs/{run_id}/trajectory."""
+    run_id = path_id(call.request, "run_id")
+    await visible_run(call, run_id)
+    trajectory = await get_trajectory(call.state.pool, run_id)
+    if trajectory is None:
+        raise not_found("trajectory of run", "run_id", run_id)
+    return json_response(trajectory)
+
+
+async def me(call: Call) -> web.StreamResponse:
+    """GET /v1/me."""
+    return json_response(Me(principal=call.user.name, role=call.user.role))
+
+
+async def rebuild(call: Call) -> web.StreamResponse:
+    """POST /v1/admin/read-models/rebuild."""
+    outcome = await rebuild_read_models(call.state.pool)
+    log.info("read models rebuilt by %s: %d events", call.user.name, outcome.events)
+    return json_response(outcome)
+
+
+async def openapi_document(call: Call) -> web.StreamResponse:
+    """GET /openapi.json."""
+    return web.Response(body=call.state.openapi, content_type="application/json")
+
+
+# ---------------------------------------------------------------- the table
+
+_ID = {"type": "string", "minLength": 1, "maxLength": 256}
+_BATCH_ID = Param("batch_id", "path", "Batch id", _ID, required=True)
+_RUN_ID = Param("run_id", "path", "Run id (`evb-<batch>-<case>[-t<trial>]`)", _ID, required=True)
+
+
+def _limit(default_doc: str) -> Param:
+    return Param("limit", "query", f"Page size ({default_doc})", {"type": "integer", "minimum": 1})
+
+
+_CURSOR = Param("cursor", "query", "`next_cursor` of the previous page", {"type": "string"})
+
+ROUTES: tuple[Route, ...] = (
+    Route(
+        ("POST",),
+        "/v1/batches",
+        "submitBatch",
+        "Submit a batch",
+        "member",
+        submit_batch,
+        description="Validates the spec and publishes `batch.requested`. With a `supersede_key`, every open batch "
+        "with the same key (yours; any, for an admin) is cancelled as superseded by the new one. An "
+        "`Idempotency-Key` header makes a retried submission return the same batch id.",
+        params=(
+            Param(
+                "Idempotency-Key",
+                "header",
+                "Same key, same principal → same batch id",
+                {"type": "string", "maxLength": _IDEMPOTENCY_KEY_MAX},
+            ),
+        ),
+        request=Body("The batch", BatchSpec),
+        responses={202: Body("Accepted: published as `batch.requested`", BatchAccepted)},
+    ),
+    Route(
+        ("GET",),
+        "/v1/batches",
+        "listBatches",
+        "List batches, newest first",
+        "member",
+        list_batches_route,
+        description="A member sees the batches it submitted; an admin sees all.",
+        params=(_limit("default 100"), _CURSOR),
+        responses={200: Body("A page of batches", BatchPage)},
+    ),
+    Route(
+        ("GET",),
+        "/v1/batches/{batch_id}",
+        "getBatch",
+        "A batch: status, per-stage counts, summary, export status, error",
+        "member",
+        get_batch_route,
+        params=(_BATCH_ID,),
+        responses={200: Body("The batch", BatchView)},
+    ),
+    Route(
+        ("GET",),
+        "/v1/batches/{batch_id}/cases",
+        "listBatchCases",
+        "A batch's runs with per-stage status, scores and verdict",
+        "member",
+        batch_cases,
+        params=(
+            _BATCH_ID,
+            _limit("default 100"),
+            _CURSOR,
+            Param("stage", "query", "Only runs whose furthest stage is this one", {"enum": list(STAGES)}),
+        ),
+        responses={200: Body("A page of runs, by run id", CasePage)},
+    ),
+    Route(
+        ("GET",),
+        "/v1/batches/{batch_id}/events",
+        "streamBatchEvents",
+        "The batch's events as server-sent events",
+        "member",
+        batch_events,
+        description="`id:` is the CASES stream sequence and `event:` the event type; `data:` is the event JSON. "
+        "`Last-Event-ID` resumes exactly after that sequence. A `: heartbeat` comment is sent on a quiet "
+        "stream; after `batch.finalized` comes `event: end` with `{batch_id, status}` and the stream closes.",
+        params=(
+            _BATCH_ID,
+            Param("Last-Event-ID", "header", "Resume after this stream sequence", {"type": "integer", "minimum": 0}),
+        ),
+        responses={200: Body("An event stream", content_type="text/event-stream", schema={"type": "string"})},
+    ),
+    Route(
+        ("POST",),
+        "/v1/batches/{batch_id}/cancel",
+        "cancelBatch",
+        "Cancel a batch",
+        "member",
+        cancel_batch,
+        description="Publishes `batch.cancelled`: no new case starts, in-flight cases settle, and the batch ends "
+        "`cancelled` with a partial summary. 409 when it is already finalized.",
+        params=(_BATCH_ID,),
+        request=Body("Optional, empty object", CancelRequest),
+        request_required=False,
+        responses={
+            202: Body("Cancelling", CancelAccepted),
+            409: Body("Already finalized (`error.field` = `batch_id`)", ErrorBody),
+        },
+    ),
+    Route(
+        ("GET",),
+        "/v1/runs/{run_id}",
+        "getRun",
+        "A run (one case × trial of a batch)",
+        "member",
+        get_run_route,
+        tag="runs",
+        params=(_RUN_ID,),
+        responses={200: Body("The run", RunView)},
+    ),
+    Route(
+        ("GET",),
+        "/v1/runs/{run_id}/trajectory",
+        "getRunTrajectory",
+        "A run's recorded events in stream order, and its seal once settled",
+        "member",
+        run_trajectory,
+        tag="runs",
+        params=(_RUN_ID,),
+        responses={200: Body("The trajectory", Trajectory)},
+    ),
+    Route(
+        ("GET",),
+        "/v1/me",
+        "whoAmI",
+        "The principal and role of the bearer token",
+        "member",
+        me,
+        tag="auth",
+        responses={200: Body("Who you are", Me)},
+    ),
+    Route(
+        ("POST",),
+        "/v1/admin/read-models/rebuild",
+        "rebuildReadModels",
+        "Rebuild the read models from the event store",
+        "admin",
+        rebuild,
+        tag="admin",
+        responses={200: Body("What was replayed", RebuildOutcome)},
+    ),
+    Route(
+        ("GET",),
+        "/openapi.json",
+        "getOpenApi",
+        "This document",
+        "public",
+        openapi_document,
+        tag="meta",
+        responses={200: Body("OpenAPI 3.1", schema={"type": "object"})},
+    ),
+    Route(
+        ("GET", "HEAD"),
+        "/healthz",
+        "health",
+        "Liveness",
+        "public",
+        tag="meta",
+        responses={200: Body("Up", Health)},
+    ),
+    Route(
+        ("GET", "HEAD"),
+        "/readyz",
+        "readiness",
+        "Readiness: connected to the bus and started",
+        "public",
+        tag="meta",
+        responses={200: Body("Ready", Readiness), 503: Body("Not ready", Readiness)},
+    ),
+    Route(
+        ("GET", "HEAD"),
+        "/metrics",
+        "metrics",
+        "Prometheus metrics",
+        "public",
+        tag="meta",
+        responses={200: Body("Prometheus text format", content_type="text/plain", schema={"type": "string"})},
+    ),
+)
+"""Every route of the gateway's app (the last three are the chassis' own)."""
+
+
+# ---------------------------------------------------------------- installation
+
+
+def _bind(route: Route, state: GatewayState) -> Handler:
+    handler = route.handler
+    assert handler is not None
+
+    async def endpoint(request: web.Request) -> web.StreamResponse:
+        principal: Principal | None = None
+        if route.access != "public":
+            principal = authenticate(request, state.tokens)
+            if route.access == "admin":
+                require_admin(principal)
+        return await handler(Call(request=request, state=state, principal=principal))
+
+    endpoint.__name__ = route.operation_id
+    return endpoint
+
+
+def install_api(app: web.Application, state: GatewayState, routes: tuple[Route, ...] = ROUTES) -> None:
+    """Add the error middleware and every route with a handler to `app` (before it starts), and
+    generate the OpenAPI document from the same table."""
+    app.middlewares.append(error_middleware)
+    for route in routes:
+        if route.handler is None:
+            continue
+        for method in route.methods:
+            app.router.add_route(method, route.path, _bind(route, state))
+    state.openapi = encode(build_openapi(routes))

@@ -1,0 +1,95 @@
+"""The route table: every HTTP route as data — method, path, access, parameters, bodies and
+responses — from which the routes are installed and the OpenAPI document is generated, so the
+two cannot drift apart."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from evalbus_gateway.api.auth import Principal
+    from evalbus_gateway.state import GatewayState
+
+Access = Literal["public", "member", "admin"]
+"""Who may call a route: anyone, any valid token, or an admin token."""
+Location = Literal["path", "query", "header"]
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One request as a handler sees it."""
+
+    request: web.Request
+    """The aiohttp request."""
+    state: GatewayState
+    """The gateway's shared state."""
+    principal: Principal | None
+    """The authenticated principal (None on public routes)."""
+
+    @property
+    def user(self) -> Principal:
+        """The principal of an authenticated route."""
+        if self.principal is None:
+            raise RuntimeError("route is public: no principal")
+        return self.principal
+
+
+Handler = Callable[[Call], Awaitable[web.StreamResponse]]
+"""A route's logic."""
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    """A path, query or header parameter."""
+
+    name: str
+    location: Location
+    description: str
+    schema: dict[str, Any]
+    required: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Body:
+    """A response (or request) body."""
+
+    description: str
+    type: Any = None
+    """msgspec type of a JSON body; None for no JSON schema."""
+    content_type: str = "application/json"
+    schema: dict[str, Any] | None = None
+    """An explicit schema when `type` is None."""
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One route: what the installer adds to the router and what the OpenAPI document says."""
+
+    methods: tuple[str, ...]
+    """HTTP methods (the chassis' GET routes also answer HEAD)."""
+    path: str
+    """aiohttp path pattern (`/v1/batches/{batch_id}`), also the OpenAPI path."""
+    operation_id: str
+    """OpenAPI operation id."""
+    summary: str
+    """One line."""
+    access: Access
+    """Who may call it."""
+    handler: Handler | None = None
+    """Its logic; None for routes the chassis installs itself."""
+    description: str = ""
+    """Longer explanation."""
+    tag: str = "batches"
+    """OpenAPI tag."""
+    params: tuple[Param, ...] = ()
+    """Parameters."""
+    request: Body | None = None
+    """Request body."""
+    request_required: bool = True
+    """Whether the body is required."""
+    responses: dict[int, Body] = field(default_factory=dict)
+    """Success (and specific) responses by status; error responses are added from the shape."""

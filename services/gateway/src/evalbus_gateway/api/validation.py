@@ -1,0 +1,247 @@
+"""Input validation: bodies (size, JSON, shape), the batch spec's own rules, query and path
+parameters, and the opaque page cursors. Every failure is an `ApiError` naming the field.
+
+`check_batch_spec` is pure: the rules msgspec's types cannot express (unique ids, ranges, regexes
+that compile, judge ids without `:`), each reported at the JSON path of the offending value.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from collections.abc import Sequence
+from typing import TypeVar
+
+import msgspec
+from aiohttp import web
+
+from evalbus_contracts import BatchSpec, CommandGrader, RegexJudge, TextMetricGrader, decode
+from evalbus_gateway.api.errors import ApiError, invalid
+
+T = TypeVar("T")
+
+MAX_TRIALS = 100
+MAX_RETRIES = 10
+MAX_ID_LENGTH = 256
+_READ_CHUNK = 64 * 1024
+
+
+# ---------------------------------------------------------------- bodies
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The request body, at most `limit` bytes (413 beyond, also for chunked bodies)."""
+    length = request.content_length
+    if length is not None and length > limit:
+        raise ApiError(413, "payload_too_large", f"request body of {length} bytes exceeds {limit} bytes", "$")
+    buf = bytearray()
+    while True:
+        chunk = await request.content.read(_READ_CHUNK)
+        if not chunk:
+            break
+        buf += chunk
+        if len(buf) > limit:
+            raise ApiError(413, "payload_too_large", f"request body exceeds {limit} bytes", "$")
+    return bytes(buf)
+
+
+def parse_json(body: bytes, kind: type[T]) -> T:
+    """Decode `body` as `kind`: 400 `invalid_json` when it is not JSON, `invalid` when it is the
+    wrong shape (the field is the JSON path of the bad value)."""
+    if not body.strip():
+        raise ApiError(400, "invalid_json", "request body is empty; expected a JSON object", "$")
+    try:
+        return decode(body, kind)
+    except msgspec.ValidationError as e:
+        raise invalid(e) from None
+    except msgspec.DecodeError as e:
+        raise ApiError(400, "invalid_json", f"request body is not valid JSON: {e}", "$") from None
+
+
+async def read_json(request: web.Request, kind: type[T], limit: int) -> T:
+    """Read and decode a JSON body."""
+    return parse_json(await read_body(request, limit), kind)
+
+
+# ---------------------------------------------------------------- the batch spec
+
+
+class SpecProblem(msgspec.Struct, frozen=True):
+    """One broken rule of a batch spec."""
+
+    field: str
+    """JSON path of the offending value."""
+    message: str
+    """What is wrong."""
+
+
+def _regex_problem(pattern: str, field: str, *, groups: int = 0) -> SpecProblem | None:
+    try:
+        compiled = re.compile(pattern)
+    except re.error as e:
+        return SpecProblem(field, f"regex does not compile: {e}")
+    if compiled.groups < groups:
+        return SpecProblem(field, f"regex needs at least {groups} capture group(s)")
+    return None
+
+
+def _id_problem(value: str, field: str, what: str) -> SpecProblem | None:
+    if not value.strip():
+        return SpecProblem(field, f"{what} must not be empty")
+    if len(value) > MAX_ID_LENGTH:
+        return SpecProblem(field, f"{what} is longer than {MAX_ID_LENGTH} characters")
+    return None
+
+
+def batch_spec_problems(spec: BatchSpec) -> list[SpecProblem]:
+    """Every rule `spec` breaks, in document order (empty: valid)."""
+    out: list[SpecProblem | None] = []
+    suite = spec.suite
+    out.append(_id_problem(suite.id, "$.suite.id", "suite id"))
+    if not suite.cases:
+        out.append(SpecProblem("$.suite.cases", "a batch needs at least one case"))
+    seen_cases: set[str] = set()
+    for i, case in enumerate(suite.cases):
+        at = f"$.suite.cases[{i}]"
+        out.append(_id_problem(case.id, f"{at}.id", "case id"))
+        if case.id in seen_cases:
+            out.append(SpecProblem(f"{at}.id", f"duplicate case id {case.id!r}"))
+        seen_cases.add(case.id)
+        if case.timeout_s is not None and case.timeout_s <= 0:
+            out.append(SpecProblem(f"{at}.timeout_s", "must be greater than 0"))
+        seen_graders: set[str] = set()
+        for j, grader in enumerate(case.graders):
+            g_at = f"{at}.graders[{j}]"
+            out.append(_id_problem(grader.id, f"{g_at}.id", "grader id"))
+            if grader.id in seen_graders:
+                out.append(SpecProblem(f"{g_at}.id", f"duplicate grader id {grader.id!r} in case {case.id!r}"))
+            seen_graders.add(grader.id)
+            if isinstance(grader, CommandGrader) and grader.pass_pattern is not None:
+                out.append(_regex_problem(grader.pass_pattern, f"{g_at}.pass_pattern"))
+            if isinstance(grader, TextMetricGrader):
+                out.append(_regex_problem(grader.pattern, f"{g_at}.pattern", groups=1))
+    harness = spec.harness
+    out.append(_id_problem(harness.id, "$.harness.id", "harness id"))
+    if not harness.command or not harness.command[0].strip():
+        out.append(SpecProblem("$.harness.command", "the harness command needs at least the program"))
+    if harness.timeout_s <= 0:
+        out.append(SpecProblem("$.harness.timeout_s", "must be greater than 0"))
+    seen_judges: set[str] = set()
+    for k, judge in enumerate(spec.judges):
+        j_at = f"$.judges[{k}]"
+        out.append(_id_problem(judge.id, f"{j_at}.id", "judge id"))
+        if ":" in judge.id:
+            out.append(SpecProblem(f"{j_at}.id", "a judge id must not contain ':'"))
+        if judge.id in seen_judges:
+            out.append(SpecProblem(f"{j_at}.id", f"duplicate judge id {judge.id!r}"))
+        seen_judges.add(judge.id)
+        if isinstance(judge, RegexJudge) and judge.pattern is not None:
+            out.append(_regex_problem(judge.pattern, f"{j_at}.pattern"))
+    policy = spec.policy
+    if not 1 <= policy.trials <= MAX_TRIALS:
+        out.append(SpecProblem("$.policy.trials", f"must be between 1 and {MAX_TRIALS}"))
+    if not 0 <= policy.retries <= MAX_RETRIES:
+        out.append(SpecProblem("$.policy.retries", f"must be between 0 and {MAX_RETRIES}"))
+    if policy.concurrency < 0:
+        out.append(SpecProblem("$.policy.concurrency", "must be 0 (no batch limit) or more"))
+    if spec.supersede_key is not None:
+        out.append(_id_problem(spec.supersede_key, "$.supersede_key", "supersede key"))
+    return [p for p in out if p is not None]
+
+
+def check_batch_spec(spec: BatchSpec) -> None:
+    """400 naming the first rule `spec` breaks."""
+    problems = batch_spec_problems(spec)
+    if problems:
+        first = problems[0]
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ApiError(400, "invalid", first.message + more, first.field)
+
+
+# ---------------------------------------------------------------- parameters
+
+
+def path_id(request: web.Request, name: str) -> str:
+    """A path parameter holding an id (non-empty, bounded)."""
+    value = request.match_info.get(name, "")
+    if not value.strip() or len(value) > MAX_ID_LENGTH:
+        raise ApiError(400, "invalid", f"{name} must be 1 to {MAX_ID_LENGTH} characters", name)
+    return value
+
+
+def _single(request: web.Request, name: str) -> str | None:
+    values = request.query.getall(name, [])
+    if len(values) > 1:
+        raise ApiError(400, "invalid", f"query parameter {name} is given more than once", name)
+    return values[0] if values else None
+
+
+def query_int(request: web.Request, name: str, *, default: int, low: int, high: int) -> int:
+    """An integer query parameter within [low, high]."""
+    raw = _single(request, name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ApiError(400, "invalid", f"{name} must be an integer, got {raw[:40]!r}", name) from None
+    if not low <= value <= high:
+        raise ApiError(400, "invalid", f"{name} must be between {low} and {high}", name)
+    return value
+
+
+def query_choice(request: web.Request, name: str, choices: Sequence[str]) -> str | None:
+    """An optional query parameter from a fixed set."""
+    raw = _single(request, name)
+    if raw is None:
+        return None
+    if raw not in choices:
+        raise ApiError(400, "invalid", f"{name} must be one of {', '.join(choices)}", name)
+    return raw
+
+
+def query_str(request: web.Request, name: str) -> str | None:
+    """An optional query parameter."""
+    return _single(request, name)
+
+
+def header_seq(request: web.Request, name: str) -> int | None:
+    """A header holding a stream sequence (e.g. `Last-Event-ID`)."""
+    raw = request.headers.get(name)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ApiError(400, "invalid", f"{name} must be a stream sequence (an integer)", name) from None
+    if value < 0:
+        raise ApiError(400, "invalid", f"{name} must not be negative", name)
+    return value
+
+
+# ---------------------------------------------------------------- cursors
+
+
+class _Cursor(msgspec.Struct, frozen=True, array_like=True):
+    kind: str
+    scope: str
+    key: tuple[str, ...]
+
+
+def encode_cursor(kind: str, scope: str, key: Sequence[str]) -> str:
+    """An opaque cursor: which list (`kind`, `scope`) and where it stopped (`key`)."""
+    raw = msgspec.json.encode(_Cursor(kind, scope, tuple(key)))
+    return base64.urlsafe_b64encode(raw).decode("ascii").rstrip("=")
+
+
+def decode_cursor(value: str, kind: str, scope: str, *, size: int) -> tuple[str, ...]:
+    """The key of a cursor made by `encode_cursor` for the same list; 400 `cursor` otherwise."""
+    try:
+        raw = base64.urlsafe_b64decode(value + "=" * (-len(value) % 4))
+        cursor = msgspec.json.decode(raw, type=_Cursor)
+    except (binascii.Error, ValueError, msgspec.DecodeError):
+        raise ApiError(400, "invalid_cursor", "cursor is not one this API returned", "cursor") from None
+    if cursor.kind != kind or cursor.scope != scope or len(cursor.key) != size:
+        raise ApiError(400, "invalid_cursor", "cursor belongs to another list", "cursor")
+    return cursor.key

@@ -1,0 +1,278 @@
+"""A small Python client of the gateway's HTTP API (what the `evalbus` CLI uses).
+
+    async with GatewayClient("http://127.0.0.1:8080", token) as gw:
+        accepted = await gw.submit(spec)
+        async for ev in gw.events(accepted.batch_id):
+            print(ev.id, ev.event, ev.data)      # ends after the `end` event
+        batch = await gw.get(accepted.batch_id)
+
+Only aiohttp's client is used. Errors come back as `ApiRequestError` carrying the API's
+`{code, message, field}`; the event stream reconnects with `Last-Event-ID` when the connection
+drops before `end`, so no event is lost or repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any, NamedTuple, TypeVar
+from urllib.parse import quote
+
+import aiohttp
+import msgspec
+
+from evalbus_contracts import BatchSpec, Event, decode, decode_event, encode
+from evalbus_gateway.api.models import BatchAccepted, BatchPage, CancelAccepted, CasePage, ErrorBody, Me
+from evalbus_gateway.store.queries import BatchView, RunView, Stage, Trajectory
+
+T = TypeVar("T")
+
+END_EVENT = "end"
+"""The event that ends a batch's stream (its data holds the final status)."""
+
+
+class ApiRequestError(Exception):
+    """The gateway answered with an error (or not at all)."""
+
+    def __init__(self, status: int, code: str, message: str, field: str | None = None) -> None:
+        super().__init__(f"{status} {code}: {message}" + (f" (field {field})" if field else ""))
+        self.status = status
+        self.code = code
+        self.message = message
+        self.field = field
+
+
+class SseEvent(NamedTuple):
+    """One server-sent event: `(id, event, data)`."""
+
+    id: int | None
+    """Stream sequence (None for `end`)."""
+    event: str
+    """Event type (`case.executed`...), or `end`."""
+    data: str
+    """The data (event JSON)."""
+
+    def decoded(self) -> Event:
+        """The data as a contract event (not for `end`)."""
+        return decode_event(self.data.encode("utf-8"))
+
+
+class SseParser:
+    """Incremental parser of a `text/event-stream` body (any chunking, any line length)."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._id: int | None = None
+        self._event = ""
+        self._data: list[str] = []
+
+    def feed(self, chunk: bytes) -> list[SseEvent]:
+        """The events completed by `chunk`."""
+        self._buffer += chunk
+        out: list[SseEvent] = []
+        while True:
+            cut = self._buffer.find(b"\n")
+            if cut < 0:
+                return out
+            line = self._buffer[:cut].rstrip(b"\r").decode("utf-8", errors="replace")
+            self._buffer = self._buffer[cut + 1 :]
+            event = self._line(line)
+            if event is not None:
+                out.append(event)
+
+    def _line(self, line: str) -> SseEvent | None:
+        if not line:
+            if not self._data and not self._event:
+                return None
+            event = SseEvent(self._id, self._event or "message", "\n".join(self._data))
+            self._event, self._data = "", []
+            return event
+        if line.startswith(":"):
+            return None
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "data":
+            self._data.append(value)
+        elif name == "event":
+            self._event = value
+        elif name == "id":
+            self._id = int(value) if value.isdigit() else None
+        return None
+
+
+class GatewayClient:
+    """Calls the gateway's API with a bearer token."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None,
+        *,
+        timeout_s: float = 30.0,
+        session: aiohttp.ClientSession | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session = session
+        self._own_session = session is None
+
+    async def __aenter__(self) -> GatewayClient:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the HTTP session (when the client opened it)."""
+        if self._session is not None and self._own_session:
+            await self._session.close()
+        self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+            self._own_session = True
+        return self._session
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        kind: type[T],
+        *,
+        body: Any = None,
+        params: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> T:
+        data = None if body is None else encode(body)
+        all_headers = {**self._headers, **(headers or {})}
+        if data is not None:
+            all_headers["Content-Type"] = "application/json"
+        try:
+            async with self._http().request(
+                method, self.base_url + path, data=data, params=params, headers=all_headers, timeout=self._timeout
+            ) as resp:
+                payload = await resp.read()
+                if resp.status >= 400:
+                    raise _error(resp.status, payload)
+        except aiohttp.ClientError as e:
+            raise ApiRequestError(0, "unreachable", f"{method} {path}: {type(e).__name__}: {e}") from e
+        return decode(payload, kind)
+
+    # ------------------------------------------------------------ batches
+
+    async def me(self) -> Me:
+        """Who the token is."""
+        return await self._call("GET", "/v1/me", Me)
+
+    async def submit(self, spec: BatchSpec, *, idempotency_key: str | None = None) -> BatchAccepted:
+        """Submit a batch (`batch.requested` is published)."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        return await self._call("POST", "/v1/batches", BatchAccepted, body=spec, headers=headers)
+
+    async def get(self, batch_id: str) -> BatchView:
+        """A batch's status, counts, summary, export status and error."""
+        return await self._call("GET", f"/v1/batches/{_quote(batch_id)}", BatchView)
+
+    async def list_batches(self, *, limit: int | None = None, cursor: str | None = None) -> BatchPage:
+        """A page of batches, newest first."""
+        return await self._call("GET", "/v1/batches", BatchPage, params=_params(limit=limit, cursor=cursor))
+
+    async def cases(
+        self, batch_id: str, *, limit: int | None = None, cursor: str | None = None, stage: Stage | None = None
+    ) -> CasePage:
+        """A page of a batch's runs."""
+        return await self._call(
+            "GET",
+            f"/v1/batches/{_quote(batch_id)}/cases",
+            CasePage,
+            params=_params(limit=limit, cursor=cursor, stage=stage),
+        )
+
+    async def all_cases(self, batch_id: str, *, stage: Stage | None = None, page_size: int = 500) -> list[RunView]:
+        """Every run of a batch (following the cursor)."""
+        runs: list[RunView] = []
+        cursor: str | None = None
+        while True:
+            page = await self.cases(batch_id, limit=page_size, cursor=cursor, stage=stage)
+            runs.extend(page.cases)
+            if page.next_cursor is None:
+                return runs
+            cursor = page.next_cursor
+
+    async def cancel(self, batch_id: str) -> CancelAccepted:
+        """Cancel a batch (409 `conflict` when it is already finalized)."""
+        return await self._call("POST", f"/v1/batches/{_quote(batch_id)}/cancel", CancelAccepted)
+
+    async def run(self, run_id: str) -> RunView:
+        """One run."""
+        return await self._call("GET", f"/v1/runs/{_quote(run_id)}", RunView)
+
+    async def trajectory(self, run_id: str) -> Trajectory:
+        """A run's recorded events and seal."""
+        return await self._call("GET", f"/v1/runs/{_quote(run_id)}/trajectory", Trajectory)
+
+    # ------------------------------------------------------------ events
+
+    async def events(
+        self,
+        batch_id: str,
+        *,
+        last_event_id: int | None = None,
+        reconnects: int = 10,
+        idle_timeout_s: float = 60.0,
+    ) -> AsyncIterator[SseEvent]:
+        """The batch's events as `(id, event, data)`, ending after the `end` event. A dropped
+        connection is resumed from the last id seen, up to `reconnects` times in a row."""
+        path = f"{self.base_url}/v1/batches/{_quote(batch_id)}/events"
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=idle_timeout_s)
+        failures = 0
+        while True:
+            headers = {**self._headers, "Accept": "text/event-stream"}
+            if last_event_id is not None:
+                headers["Last-Event-ID"] = str(last_event_id)
+            try:
+                async with self._http().get(path, headers=headers, timeout=timeout) as resp:
+                    if resp.status >= 400:
+                        raise _error(resp.status, await resp.read())
+                    parser = SseParser()
+                    async for chunk in resp.content.iter_any():
+                        for event in parser.feed(chunk):
+                            failures = 0
+                            if event.id is not None:
+                                last_event_id = event.id
+                            yield event
+                            if event.event == END_EVENT:
+                                return
+            except ApiRequestError as e:
+                if e.status < 500:
+                    raise
+                failures += 1
+                if failures > reconnects:
+                    raise
+            except (aiohttp.ClientError, TimeoutError) as e:
+                failures += 1
+                if failures > reconnects:
+                    raise ApiRequestError(0, "unreachable", f"event stream of {batch_id}: {e}") from e
+            else:
+                failures += 1
+                if failures > reconnects:
+                    raise ApiRequestError(0, "stream_closed", f"event stream of {batch_id} kept closing before its end")
+            await asyncio.sleep(min(0.2 * 2**failures, 5.0))
+
+
+def _quote(value: str) -> str:
+    return quote(value, safe="")
+
+
+def _params(**values: object) -> dict[str, str]:
+    return {k: str(v) for k, v in values.items() if v is not None}
+
+
+def _error(status: int, payload: bytes) -> ApiRequestError:
+    try:
+        detail = msgspec.json.decode(payload, type=ErrorBody).error
+    except msgspec.DecodeError:
+        return ApiRequestError(status, "http_error", payload[:200].decode("utf-8", errors="replace"))
+    return ApiRequestError(status, detail.code, detail.message, detail.field)

@@ -1,0 +1,38 @@
+"""Settings of the gateway (`GATEWAY_<KEY>` first, then the shared `<KEY>`), read once at start."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from evalbus_runtime import ServiceSettings
+
+
+class GatewaySettings(ServiceSettings):
+    """The gateway's settings: database, auth, HTTP limits, recorder batching, SSE."""
+
+    SECRET_FIELDS: ClassVar[frozenset[str]] = ServiceSettings.SECRET_FIELDS | {"admin_token"}
+
+    service: str = "gateway"
+    """Service name."""
+    admin_token: str | None = None
+    """Bearer token of the `admin` principal (`GATEWAY_ADMIN_TOKEN`); unset: no admin token."""
+    tokens_file: str | None = None
+    """JSON file mapping token → `{"principal": ..., "role": "admin" | "member"}`."""
+    max_request_bytes: int = 1024 * 1024
+    """Largest request body accepted (413 above)."""
+    page_size: int = 100
+    """Default page size of list endpoints."""
+    max_page_size: int = 1000
+    """Largest page size a client may ask for."""
+    db_pool_min: int = 2
+    """Connections the pool keeps open."""
+    db_pool_max: int = 16
+    """Most connections the pool opens."""
+    recorder_concurrency: int = 2048
+    """Messages the recorder holds at once (they wait in the write batcher for their commit)."""
+    recorder_batch_size: int = 1000
+    """Most messages written in one transaction."""
+    recorder_flush_ms: float = 10.0
+    """Longest time a message waits for its batch to be written."""
+    sse_heartbeat_s: float = 15.0
+    """Seconds between SSE heartbeat comments on a quiet stream."""

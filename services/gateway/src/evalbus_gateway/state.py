@@ -1,0 +1,72 @@
+"""What the gateway's handlers share: settings, tokens, and the resources opened at start (the
+database pool, the bus connection and publisher of the chassis)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import asyncpg
+from nats.js import JetStreamContext
+
+from evalbus_gateway.api.auth import TokenTable
+from evalbus_gateway.api.sse import EventStreams
+from evalbus_gateway.errors import NotReadyError
+from evalbus_gateway.settings import GatewaySettings
+from evalbus_runtime import Publisher, Service
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NatsClient
+
+
+class GatewayState:
+    """One per gateway process; handlers reach it through the route table."""
+
+    def __init__(self, service: Service, settings: GatewaySettings, tokens: TokenTable) -> None:
+        self.service = service
+        self.settings = settings
+        self.tokens = tokens
+        self.streams = EventStreams()
+        """Open SSE connections."""
+        self.openapi = b"{}"
+        """The OpenAPI document (generated when the routes are installed)."""
+        self._pool: asyncpg.Pool[asyncpg.Record] | None = None
+
+    @property
+    def pool(self) -> asyncpg.Pool[asyncpg.Record]:
+        """The database pool (after start)."""
+        if self._pool is None:
+            raise NotReadyError("the gateway is starting: the database is not open yet")
+        return self._pool
+
+    @property
+    def pool_or_none(self) -> asyncpg.Pool[asyncpg.Record] | None:
+        """The pool if it is open."""
+        return self._pool
+
+    def set_pool(self, pool: asyncpg.Pool[asyncpg.Record] | None) -> None:
+        """Install (or forget) the pool."""
+        self._pool = pool
+
+    @property
+    def publisher(self) -> Publisher:
+        """The chassis' publisher."""
+        try:
+            return self.service.publisher
+        except RuntimeError as e:
+            raise NotReadyError("the gateway is starting: the bus is not connected yet") from e
+
+    @property
+    def js(self) -> JetStreamContext:
+        """The JetStream context."""
+        try:
+            return self.service.js
+        except RuntimeError as e:
+            raise NotReadyError("the gateway is starting: the bus is not connected yet") from e
+
+    @property
+    def nc(self) -> NatsClient:
+        """The NATS connection."""
+        try:
+            return self.service.nc
+        except RuntimeError as e:
+            raise NotReadyError("the gateway is starting: the bus is not connected yet") from e
