@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from evalbus_contracts import CaseJudged
 from evalbus_contracts.events import EventBase
@@ -18,11 +19,19 @@ class ExporterSettings(ServiceSettings):
 
     concurrency: int = 4
     """Cases exported at once by one replica (the global limit is the consumer's max_ack_pending)."""
+    export_dir: str | None = None
+    """Folder `jsonl` sink paths are resolved in (default: `<state dir>/exports`, else `./exports`)."""
+
+    def export_root(self) -> Path:
+        """The folder jsonl files are written under."""
+        if self.export_dir:
+            return Path(self.export_dir)
+        return Path(self.state_dir) / "exports" if self.state_dir else Path("exports")
 
 
 def build_exporter(service: Service, settings: ExporterSettings, factory: SinkFactory | None = None) -> None:
     """Add the export stage to `service` (sinks from `factory`, by default jsonl and the platforms)."""
-    builder = SinkBuilder()
+    builder = SinkBuilder(settings.export_root())
     cache = SinkCache(factory or builder)
 
     async def start(_: Service) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import aiohttp
 
 from evalbus_contracts import JsonlSink, SinkSpec
@@ -15,7 +17,8 @@ from evalbus_traces import build_sink
 class SinkBuilder:
     """Builds sinks; owns the HTTP session platform sinks share (open it with `start`)."""
 
-    def __init__(self, secrets: SecretStore | None = None) -> None:
+    def __init__(self, export_dir: Path, secrets: SecretStore | None = None) -> None:
+        self._export_dir = export_dir
         self._secrets = secrets or SecretStore()
         self._session: aiohttp.ClientSession | None = None
 
@@ -33,7 +36,7 @@ class SinkBuilder:
     def __call__(self, spec: SinkSpec, batch_id: str) -> CaseSink:
         """The sink for `spec` in batch `batch_id`."""
         if isinstance(spec, JsonlSink):
-            return JsonlCaseSink(spec, batch_id)
+            return JsonlCaseSink(spec, batch_id, self._export_dir)
         if self._session is None:
             raise RuntimeError("SinkBuilder.start() was not awaited")
         return PlatformCaseSink(build_sink(spec, self._secrets, self._session))

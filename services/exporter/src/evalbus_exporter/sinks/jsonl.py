@@ -1,5 +1,9 @@
 """The `jsonl` sink: one JSON line per case in a file, idempotent on redelivery.
 
+The path a batch names is resolved inside the exporter's export folder (`EXPORTER_EXPORT_DIR`);
+a path that leaves it (absolute elsewhere, `..`) fails the sink, since submitters do not choose
+where the exporter writes.
+
 Appends happen under an exclusive `flock`, after checking that the run id is not in the file yet,
 so a redelivered case — by this replica or another on the same machine — is written once. The
 run ids already in the file are cached with the offset read so far; only the new tail is scanned.
@@ -46,12 +50,17 @@ class JsonlCaseSink:
 
     name = "jsonl"
 
-    def __init__(self, spec: JsonlSink, batch_id: str) -> None:
-        self.path = Path(spec.path.replace("{batch}", batch_id)).expanduser()
+    def __init__(self, spec: JsonlSink, batch_id: str, root: Path) -> None:
+        self.root = root.resolve()
+        self.path = (self.root / spec.path.replace("{batch}", batch_id)).resolve()
         self._index = _Index()
         self._lock = asyncio.Lock()
 
     async def export(self, judged: CaseJudged) -> SinkOutcome:
+        if not self.path.is_relative_to(self.root):
+            return SinkOutcome(
+                sink=self.name, status="failed", error=f"jsonl path must stay inside the export folder {self.root}"
+            )
         run_id = judged.run_id or judged.result.run_id
         try:
             async with self._lock:
