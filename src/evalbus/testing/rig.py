@@ -60,7 +60,7 @@ def _testcontainers_url() -> tuple[str, object] | None:
     if shutil.which("docker") is None:
         return None
     try:
-        from testcontainers.postgres import PostgresContainer  # type: ignore[import-not-found]
+        from testcontainers.postgres import PostgresContainer
 
         container = PostgresContainer("postgres:16-alpine", driver=None)
         container.start()
