@@ -1,0 +1,143 @@
+"""Settings, secrets, health/metrics endpoints and traceparent propagation of the chassis."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from evalbus.infra.nats import NatsServer
+from evalbus.testing.bus import make_consumer, request
+from evalbus_contracts import CaseExecuted, CasePlan, CaseRequested, CaseResult, decode_event, encode_token
+from evalbus_contracts.events import EventBase
+from evalbus_runtime import (
+    Delivery,
+    Publisher,
+    SecretStore,
+    Service,
+    ServiceSettings,
+    SettingsError,
+    Stage,
+    connect,
+    load_settings,
+)
+from evalbus_runtime.secrets import MissingSecretError, env_name
+
+
+class JudgeLike(ServiceSettings):
+    concurrency: int = 4
+    model_base_url: str | None = None
+
+
+@pytest.mark.unit
+def test_settings_prefer_the_service_prefix_then_the_shared_key() -> None:
+    env = {"NATS_URL": "nats://shared:1", "JUDGE_NATS_URL": "nats://judge:2", "CONCURRENCY": "9", "HTTP_PORT": "81"}
+    s = load_settings(JudgeLike, "judge", env)
+    assert s.nats_url == "nats://judge:2"
+    assert s.concurrency == 9
+    assert s.http_port == 81
+    other = load_settings(JudgeLike, "exporter", env)
+    assert other.nats_url == "nats://shared:1"
+
+
+@pytest.mark.unit
+def test_settings_reject_a_bad_value_naming_it() -> None:
+    with pytest.raises(SettingsError, match="concurrency"):
+        load_settings(JudgeLike, "judge", {"CONCURRENCY": "many"})
+
+
+@pytest.mark.unit
+def test_secret_settings_are_redacted() -> None:
+    s = load_settings(ServiceSettings, "gateway", {"DATABASE_URL": "postgresql://u:hunter2@db/x"})
+    assert "hunter2" not in repr(s)
+    assert "hunter2" not in str(s.redacted())
+    assert s.database_url == "postgresql://u:hunter2@db/x"
+
+
+@pytest.mark.unit
+def test_secret_store_reads_env_then_files_and_never_shows_values(tmp_path: Path) -> None:
+    (tmp_path / "file-only").write_text("from-file\n")
+    store = SecretStore({env_name("api.key"): "from-env", "EVALBUS_SECRETS_DIR": str(tmp_path)})
+    assert env_name("api.key") == "EVALBUS_SECRET_API_KEY"
+    value = store.require("api.key")
+    assert value.reveal() == "from-env"
+    assert "from-env" not in repr(value)
+    assert "from-env" not in str(value)
+    assert store.require("file-only").reveal() == "from-file"
+    assert store.get("../etc/passwd") is None
+    with pytest.raises(MissingSecretError, match="nope"):
+        store.require("nope")
+
+
+@pytest.mark.integration
+async def test_health_ready_and_metrics_endpoints(fresh_nats: NatsServer) -> None:
+    service = Service(ServiceSettings(service="probe", nats_url=fresh_nats.url))
+    batch = f"b{uuid.uuid4().hex[:6]}"
+
+    async def handle(event: CaseRequested, _: Delivery) -> Sequence[EventBase]:
+        return []
+
+    service.add_stage(Stage(consumer=make_consumer(batch), handler=handle, accepts=(CaseRequested,)))
+    await service.start()
+    try:
+        nc = await connect(fresh_nats.url, "t")
+        await Publisher(nc).publish_event(request(batch, "c1"))
+        base = f"http://127.0.0.1:{service.http_port}"
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{base}/healthz") as r:
+                assert r.status == 200
+            async with http.get(f"{base}/readyz") as r:
+                assert r.status == 200
+                assert (await r.json())["checks"]["nats"] is True
+            text = ""
+            for _ in range(200):
+                async with http.get(f"{base}/metrics") as r:
+                    text = await r.text()
+                if 'outcome="ignored"' in text:
+                    break
+                await asyncio.sleep(0.02)
+            assert 'evalbus_messages_total{consumer="' in text
+            assert 'outcome="ignored"} 1.0' in text
+        await nc.close()
+    finally:
+        await service.stop()
+
+
+@pytest.mark.integration
+async def test_traceparent_is_carried_from_input_to_outputs(fresh_nats: NatsServer) -> None:
+    service = Service(ServiceSettings(service="relay", nats_url=fresh_nats.url))
+    batch = f"b{uuid.uuid4().hex[:6]}"
+
+    async def handle(event: CaseRequested, _: Delivery) -> Sequence[EventBase]:
+        result = CaseResult(case_id=event.case.id, run_id=event.run_id or "", harness="h@1")
+        return [
+            CaseExecuted(
+                batch_id=event.batch_id,
+                case_id=event.case_id,
+                run_id=event.run_id,
+                status="succeeded",
+                result=result,
+                plan=CasePlan(),
+            )
+        ]
+
+    service.add_stage(Stage(consumer=make_consumer(batch), handler=handle, accepts=(CaseRequested,)))
+    await service.start()
+    nc = await connect(fresh_nats.url, "t")
+    try:
+        parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        sub = await nc.jetstream().subscribe(f"case.executed.{encode_token(batch)}.*", ordered_consumer=True)
+        await Publisher(nc).publish_event(request(batch, "c1"), headers={"traceparent": parent})
+        msg = await sub.next_msg(timeout=10)
+        assert msg.headers is not None
+        assert msg.headers["traceparent"] == parent
+        assert msg.headers["Nats-Msg-Id"] == f"case.executed:evb-{batch}-c1"
+        assert msg.headers["Evalbus-Type"] == "case.executed"
+        assert isinstance(decode_event(msg.data), CaseExecuted)
+    finally:
+        await nc.close()
+        await service.stop()
