@@ -24,11 +24,11 @@ down *args:
 status *args:
     {{run}} evalbus status {{args}}
 
-# Bring the stack up and show its health (the example suite lands with the pipeline).
+# Bring the stack up and run the example suite: live progress per stage, then the scorecard.
 demo:
     {{run}} evalbus up
-    {{run}} evalbus status
-    @echo "evalbus is up. The example run (evalbus run examples/suite.yaml) lands with the pipeline issue; stop with: just down"
+    {{run}} evalbus run examples/suite.yaml
+    @echo "The stack stays up (evalbus tail / verify / rejudge / replay work on it); stop it with: just down"
 
 # The whole test suite (unit, integration, e2e).
 test *args:

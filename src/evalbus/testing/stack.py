@@ -25,6 +25,7 @@ import pytest
 
 from evalbus.infra.nats import NatsServer
 from evalbus.infra.ports import free_port
+from evalbus_gateway.client import GatewayClient
 
 SERVICES = ("gateway", "dispatcher", "collector", "judge", "exporter")
 
@@ -64,6 +65,8 @@ class ServiceStack:
         old = self.procs.get(name)
         if old is not None and old.process.poll() is None:
             raise RuntimeError(f"{name} is already running")
+        if old is not None:
+            old.log_file.close()  # the old process's log; a new one is opened below
         port = old.port if old is not None else free_port()
         self._starts += 1
         log_path = self.workdir / f"{name}-{self._starts}.log"
@@ -157,6 +160,10 @@ class ServiceStack:
     def headers(self) -> Mapping[str, str]:
         """Admin auth headers for the gateway."""
         return {"Authorization": f"Bearer {self.admin_token}"}
+
+    def client(self, token: str | None = None) -> GatewayClient:
+        """A client of the gateway (admin token unless another is given); close it (`async with`)."""
+        return GatewayClient(self.gateway_url, self.admin_token if token is None else token)
 
 
 @pytest.fixture

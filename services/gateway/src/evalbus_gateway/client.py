@@ -21,7 +21,7 @@ from urllib.parse import quote
 import aiohttp
 import msgspec
 
-from evalbus_contracts import BatchSpec, Event, decode, decode_event, encode
+from evalbus_contracts import BatchSpec, Event, JudgeSpec, decode, decode_event, encode
 from evalbus_gateway.api.models import BatchAccepted, BatchPage, CancelAccepted, CasePage, ErrorBody, Me
 from evalbus_gateway.store.queries import BatchView, RunView, Stage, Trajectory
 
@@ -204,6 +204,11 @@ class GatewayClient:
     async def cancel(self, batch_id: str) -> CancelAccepted:
         """Cancel a batch (409 `conflict` when it is already finalized)."""
         return await self._call("POST", f"/v1/batches/{_quote(batch_id)}/cancel", CancelAccepted)
+
+    async def rejudge(self, batch_id: str, judges: tuple[JudgeSpec, ...] | None = None) -> BatchAccepted:
+        """Re-judge a finalized batch (with other judges when given): the new batch."""
+        body: dict[str, Any] = {} if judges is None else {"judges": judges}
+        return await self._call("POST", f"/v1/batches/{_quote(batch_id)}/rejudge", BatchAccepted, body=body)
 
     async def run(self, run_id: str) -> RunView:
         """One run."""

@@ -14,6 +14,7 @@ import secrets
 from datetime import datetime
 from typing import Any, cast
 
+import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
@@ -34,6 +35,7 @@ from evalbus_gateway.api.models import (
 )
 from evalbus_gateway.api.openapi import build_openapi
 from evalbus_gateway.api.reads import finalized_on_stream, find_batch, list_batches
+from evalbus_gateway.api.rejudge import ROUTE as REJUDGE_ROUTE
 from evalbus_gateway.api.sse import stream_batch_events
 from evalbus_gateway.api.table import Body, Call, Param, Route
 from evalbus_gateway.api.validation import (
@@ -194,8 +196,19 @@ async def list_batches_route(call: Call) -> web.StreamResponse:
 
 
 async def get_batch_route(call: Call) -> web.StreamResponse:
-    """GET /v1/batches/{batch_id}."""
-    return json_response(await visible_batch(call, path_id(call.request, "batch_id")))
+    """GET /v1/batches/{batch_id}. The read model may lag the stream by a commit: a batch already
+    finalized on the stream is shown with its final status, summary and export."""
+    batch_id = path_id(call.request, "batch_id")
+    view = await visible_batch(call, batch_id)
+    if view.finalized_at is None:
+        found = await finalized_on_stream(call.state.js, batch_id)
+        if found is not None:
+            final = found[1]
+            view = msgspec.structs.replace(
+                view, status=final.status, summary=final.summary, export=final.export, error=final.error,
+                finalized_at=final.ts,
+            )
+    return json_response(view)
 
 
 async def batch_cases(call: Call) -> web.StreamResponse:
@@ -386,6 +399,7 @@ ROUTES: tuple[Route, ...] = (
             409: Body("Already finalized (`error.field` = `batch_id`)", ErrorBody),
         },
     ),
+    REJUDGE_ROUTE,
     Route(
         ("GET",),
         "/v1/runs/{run_id}",

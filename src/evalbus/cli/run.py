@@ -1,0 +1,111 @@
+"""`evalbus run <suite.yaml>`: submit a suite through the gateway, show a progress bar per stage
+from the batch's event stream, then print the scorecard (`--json`: one JSON line instead).
+
+Exit codes: 0 the batch finalized `succeeded` (whatever the verdicts), 1 it failed or was
+cancelled (or the gateway could not be reached), 2 bad input (the suite file or the spec, each
+problem printed with its field path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from evalbus.cli.connection import GatewayTarget, TargetError, add_gateway_options, gateway_target
+from evalbus.cli.follow import (
+    EXIT_BAD_INPUT,
+    EXIT_FINALIZED,
+    EXIT_NOT_SUCCEEDED,
+    api_failure,
+    follow,
+    print_outcome,
+    progress_display,
+)
+from evalbus.cli.progress import BatchProgress
+from evalbus.cli.scorecard import json_line
+from evalbus.cli.suite_file import SpecFileError, load_suite
+from evalbus_contracts import BatchSpec
+from evalbus_gateway.client import ApiRequestError, GatewayClient
+
+EXIT_INTERRUPTED = 130
+"""Ctrl-C: the batch goes on; only following it stopped."""
+
+
+def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the `run` parser."""
+    parser = commands.add_parser(
+        "run",
+        help="run a suite: submit, follow its progress, print the scorecard",
+        description="Submit a suite file (YAML) as a batch through the gateway, draw a progress bar per stage "
+        "from its event stream, then print the scorecard. Exit 0 when the batch finalized (whatever the "
+        "verdicts), 1 when it failed or was cancelled, 2 on bad input.",
+    )
+    parser.add_argument("suite", type=Path, help="the suite file (YAML: suite, harness, judges, sinks, policy)")
+    parser.add_argument(
+        "--json", action="store_true", help='print only {"batch_id", "status", "summary"} as one JSON line'
+    )
+    parser.add_argument("--no-wait", action="store_true", help="submit and print the batch id; do not follow it")
+    add_gateway_options(parser)
+    parser.set_defaults(run=run)
+
+
+def _error(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+async def submit_and_follow(spec: BatchSpec, target: GatewayTarget, *, json_output: bool, no_wait: bool) -> int:
+    """Submit `spec`, follow it and print the outcome; the exit code."""
+    async with GatewayClient(target.url, target.token) as client:
+        try:
+            accepted = await client.submit(spec)
+        except ApiRequestError as e:
+            code, message = api_failure(e, "submitting the batch failed")
+            _error(message)
+            return code
+        batch_id = accepted.batch_id
+        total = len({c.id for c in spec.suite.cases}) * max(1, spec.policy.trials)
+        if no_wait:
+            if json_output:
+                print(json.dumps(json_line(batch_id, accepted.status, None)))
+            else:
+                print(f"batch {batch_id} submitted ({total} runs); follow it with: evalbus tail {batch_id}")
+            return EXIT_FINALIZED
+        if not json_output:
+            print(f"batch {batch_id}: {spec.suite.id}, {total} runs  (evalbus tail {batch_id})", flush=True)
+        progress = BatchProgress(batch_id, total)
+        for case in spec.suite.cases:
+            progress.expected.setdefault(case.id, case.expected)
+        try:
+            outcome = await follow(client, progress, progress_display(json_output))
+        except ApiRequestError as e:
+            _error(api_failure(e, f"following batch {batch_id} failed")[1])
+            _error(f"the batch goes on: evalbus tail {batch_id}")
+            return EXIT_NOT_SUCCEEDED
+        except asyncio.CancelledError:  # Ctrl-C
+            _error(f"\nstopped following; batch {batch_id} goes on: evalbus tail {batch_id}")
+            raise
+        print_outcome(outcome, json_output=json_output, out=sys.stdout)
+        return outcome.exit_code
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the suite, submit it, follow it; the exit code."""
+    try:
+        spec = load_suite(args.suite)
+    except SpecFileError as e:
+        _error(f"evalbus run: {e.source} is not a valid suite:")
+        for field, message in e.problems:
+            _error(f"  {field}: {message}")
+        return EXIT_BAD_INPUT
+    try:
+        target = gateway_target(args.dir, args.gateway, args.token)
+    except TargetError as e:
+        _error(f"evalbus run: {e}")
+        return EXIT_NOT_SUCCEEDED
+    try:
+        return asyncio.run(submit_and_follow(spec, target, json_output=args.json, no_wait=args.no_wait))
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED

@@ -1,0 +1,164 @@
+"""The scorecard of a finalized batch as text (pure): per-metric table, verdicts, pass@k, export,
+status, and the failed cases with their answer against the expected one.
+
+    batch b1a2b3c4d5e6f  suite demo-tools  30 runs  status succeeded
+
+    METRIC          COUNT   MEAN     PASS RATE  UNMEASURED
+    answer_match       30   0.800        80.0%
+    judge:rubric        0   -                -  unsupported 30
+
+    verdicts  24 passed, 6 failed, 0 without a verdict (pass rate 80.0%)
+    export    succeeded: 30 exported, 0 failed  file:///…/exports/b1a2b3c4d5e6f.jsonl
+
+    failed cases (6 of 30)
+      CASE         ANSWER      EXPECTED    FAILURE
+      capital-02   'Sydney'    'Canberra'  verdict fail (ground_truth)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from evalbus_contracts import BatchSummary, to_builtins
+from evalbus_gateway.store.queries import BatchView, RunView
+
+MAX_FAILED_SHOWN = 10
+"""Failed cases listed by name; the rest are counted."""
+_CELL = 28
+
+
+def number(value: float | None) -> str:
+    """A mean: 3 decimals, or 3 significant digits when that would hide it (costs, big counts)."""
+    if value is None:
+        return "-"
+    if value != 0 and (abs(value) < 0.01 or abs(value) >= 10_000):
+        return f"{value:.3g}"
+    return f"{value:.3f}"
+
+
+def percent(value: float | None) -> str:
+    """A rate as a percentage."""
+    return "-" if value is None else f"{value * 100:.1f}%"
+
+
+def clip(text: str | None, width: int = _CELL) -> str:
+    """A value for a table cell: quoted, on one line, shortened to `width`."""
+    if text is None:
+        return "-"
+    shown = repr(text.strip())
+    return shown if len(shown) <= width else shown[: width - 1] + "…"
+
+
+def table(rows: Sequence[Sequence[str]], *, right: frozenset[int] = frozenset(), indent: str = "") -> list[str]:
+    """Fixed-width columns (`right`: right-aligned column indexes), trailing spaces trimmed."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [
+            cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append((indent + "  ".join(cells)).rstrip())
+    return lines
+
+
+def metric_lines(summary: BatchSummary) -> list[str]:
+    """The per-metric table."""
+    if not summary.metrics:
+        return ["(no scores)"]
+    rows = [("METRIC", "COUNT", "MEAN", "PASS RATE", "UNMEASURED")]
+    for m in summary.metrics:
+        unmeasured = ", ".join(f"{reason} {n}" for reason, n in sorted(m.unmeasured.items()))
+        rows.append((m.metric, str(m.count), number(m.mean), percent(m.pass_rate), unmeasured))
+    return table(rows, right=frozenset({1, 3}))
+
+
+def export_url(view: BatchView, runs: Sequence[RunView]) -> str | None:
+    """The batch's link on its sink: the export summary's, else the one URL every run shares."""
+    if view.export is not None and view.export.url:
+        return view.export.url
+    urls = {o.url for run in runs for o in run.export_outcomes if o.url}
+    return urls.pop() if len(urls) == 1 else None
+
+
+def failed_runs(runs: Sequence[RunView]) -> list[RunView]:
+    """Runs that failed: a `fail` verdict or a failure, by run id."""
+    return sorted((r for r in runs if r.verdict == "fail" or r.failure is not None), key=lambda r: r.run_id)
+
+
+def why_failed(run: RunView) -> str:
+    """The failure code (and class), else the verdict and the rung that decided it."""
+    if run.failure is not None:
+        return f"{run.failure.code} ({run.failure.failure_class}, {run.failure.stage})"
+    return f"verdict fail ({run.verdict_rung or 'no rung'})"
+
+
+def failed_lines(
+    runs: Sequence[RunView], expected: Mapping[str, str | None], limit: int = MAX_FAILED_SHOWN
+) -> list[str]:
+    """The short list of failed cases: answer against expected, and why."""
+    failed = failed_runs(runs)
+    if not failed:
+        return []
+    out = [f"failed cases ({len(failed)} of {len(runs)})"]
+    rows = [("CASE", "ANSWER", "EXPECTED", "FAILURE")]
+    for run in failed[:limit]:
+        case = run.case_id + (f" #{run.trial}" if run.trial is not None else "")
+        rows.append((case, clip(run.answer), clip(expected.get(run.case_id)), why_failed(run)))
+    out += table(rows, indent="  ")
+    if len(failed) > limit:
+        out.append(f"  … and {len(failed) - limit} more (GET /v1/batches/<id>/cases)")
+    return out
+
+
+def render_scorecard(view: BatchView, runs: Sequence[RunView], expected: Mapping[str, str | None]) -> str:
+    """The whole scorecard."""
+    summary = view.summary or BatchSummary()
+    total = view.total_runs if view.total_runs is not None else len(runs)
+    head = f"batch {view.batch_id}"
+    if view.suite_id:
+        head += f"  suite {view.suite_id}"
+    head += f"  {total} runs"
+    if view.trials and view.trials > 1:
+        head += f" ({view.trials} trials per case)"
+    head += f"  status {view.status}"
+    lines = [head, "", *metric_lines(summary), ""]
+    v = summary.verdicts
+    lines.append(
+        f"verdicts  {v.passed} passed, {v.failed} failed, {v.no_verdict} without a verdict"
+        + (f" (pass rate {percent(v.pass_rate)})" if v.pass_rate is not None else "")
+    )
+    if summary.trials is not None:
+        t = summary.trials
+        lines.append(f"pass@k    pass@1 {number(t.pass_at_1)}, pass@{t.k} {number(t.pass_at_k)}")
+    export = view.export
+    if export is not None:
+        text = f"export    {export.status}"
+        if export.status != "skipped":
+            text += f": {export.exported} exported, {export.failed} failed"
+        url = export_url(view, runs)
+        if url:
+            text += f"  {url}"
+        if export.message:
+            text += f"  ({export.message})"
+        lines.append(text)
+    status = f"status    {view.status}"
+    if view.cancel_reason is not None:
+        status += f" (by {view.cancelled_by})" if view.cancelled_by else ""
+    if view.error is not None:
+        status += f": {view.error.code}: {view.error.message}" + (f" [{view.error.phase}]" if view.error.phase else "")
+    lines.append(status)
+    failed = failed_lines(runs, expected)
+    if failed:
+        lines += ["", *failed]
+    return "\n".join(lines)
+
+
+def json_line(batch_id: str, status: str, summary: BatchSummary | None, **extra: Any) -> dict[str, Any]:
+    """The `--json` document: `{"batch_id", "status", "summary", …extra}`."""
+    return {
+        "batch_id": batch_id,
+        "status": status,
+        "summary": None if summary is None else to_builtins(summary),
+        **extra,
+    }

@@ -1,0 +1,90 @@
+"""`evalbus verify <run-or-batch>`: recompute the hash chain of sealed trajectories from the event
+store and compare it with the seals written when the runs settled.
+
+A batch id verifies every run of the batch; anything else is taken as a run id. Each run is `ok`,
+`MISMATCH at seq N` (an event altered, removed or added after sealing) or `NOT SEALED` (still in
+flight, or unknown). Exit 0 only when every run is sealed and intact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+
+import asyncpg
+import msgspec
+
+from evalbus.cli.connection import TargetError, add_database_options, database_url
+from evalbus_gateway.store import VerifyResult, verify_batch, verify_run
+
+
+def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the `verify` parser."""
+    parser = commands.add_parser(
+        "verify",
+        help="recompute the hash chains of a run or a batch",
+        description="Recompute each run's SHA-256 hash chain from the event store and compare it with its seal. "
+        "Exit 0 only when every run is sealed and intact.",
+    )
+    parser.add_argument("id", help="a batch id (every run of it) or a run id")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON document")
+    add_database_options(parser)
+    parser.set_defaults(run=run)
+
+
+def result_line(result: VerifyResult) -> str:
+    """One run's verdict."""
+    if result.status == "ok":
+        return f"ok          {result.run_id}  ({result.event_count} events, head {(result.sealed_head or '')[:16]})"
+    if result.status == "mismatch":
+        return f"MISMATCH    {result.run_id}  at seq {result.first_bad_seq}: {result.detail}"
+    return f"NOT SEALED  {result.run_id}  ({result.event_count} events: {result.detail})"
+
+
+def summary_line(kind: str, target: str, results: Sequence[VerifyResult]) -> str:
+    """The closing line: counts by status."""
+    ok = sum(r.status == "ok" for r in results)
+    bad = sum(r.status == "mismatch" for r in results)
+    unsealed = sum(r.status == "not_sealed" for r in results)
+    verdict = "ok" if ok == len(results) and results else "NOT OK"
+    return f"{kind} {target}: {verdict} — {ok} ok, {bad} mismatched, {unsealed} not sealed"
+
+
+async def verify(url: str, target: str) -> tuple[str, list[VerifyResult]]:
+    """(`batch` or `run`, results): the batch's runs when `target` is a batch with events, else the run."""
+    conn = await asyncpg.connect(url)
+    try:
+        batch = await verify_batch(conn, target)
+        if batch.runs:
+            return "batch", list(batch.runs)
+        return "run", [await verify_run(conn, target)]
+    finally:
+        await conn.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Verify and print; 0 only when every run is ok."""
+    try:
+        url = database_url(args.dir, args.database)
+        kind, results = asyncio.run(verify(url, args.id))
+    except TargetError as e:
+        print(f"evalbus verify: {e}", file=sys.stderr)
+        return 1
+    except (OSError, asyncpg.PostgresError) as e:
+        print(f"evalbus verify: the event store is unavailable: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    unknown = kind == "run" and results[0].status == "not_sealed" and results[0].event_count == 0
+    ok = bool(results) and all(r.ok for r in results)
+    if args.json:
+        doc = {"kind": "unknown" if unknown else kind, "id": args.id, "ok": ok, "runs": msgspec.to_builtins(results)}
+        print(json.dumps(doc))
+    elif unknown:
+        print(f"nothing recorded for {args.id}: no batch or run with that id")
+    else:
+        for result in results:
+            print(result_line(result))
+        print(summary_line(kind, args.id, results))
+    return 0 if ok else 1

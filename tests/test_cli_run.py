@@ -1,0 +1,191 @@
+"""`evalbus run` end to end: the five services as real processes, the command as a real
+subprocess. A few cases of the example suite (the demo agent next to the suite file, so its
+relative path is resolved) run to a scorecard whose counts match the cases; `--json` prints one
+line and nothing else; a cancelled batch exits 1; `--no-wait` only submits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from evalbus.testing.stack import ServiceStack
+from evalbus_contracts import encode
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+CASES = ("math-01", "capital-03", "count-02")
+"""The agent answers the first right and the other two wrong (on purpose)."""
+
+
+def small_suite(folder: Path, cases: tuple[str, ...] = CASES, **harness: Any) -> Path:
+    """A suite of a few example cases in `folder`, with the demo agent copied next to it. The
+    tests-pass grader is dropped, so the answer-match grader (objective) decides the verdict."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(EXAMPLES / "agent.py", folder / "agent.py")
+    doc = yaml.safe_load((EXAMPLES / "suite.yaml").read_text())
+    chosen = [c for c in doc["suite"]["cases"] if c["id"] in cases]
+    for case in chosen:
+        case["graders"] = [g for g in case["graders"] if g["kind"] != "tests-pass"]
+    doc["suite"]["cases"] = chosen
+    doc["suite"]["id"] = "cli-run"
+    doc["harness"].update(harness)
+    doc["sinks"] = [{"kind": "jsonl", "path": "{batch}.jsonl"}]
+    path = folder / "suite.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def cli_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EVALBUS_")}
+    env["EVALBUS_DIR"] = "/nonexistent-evalbus-dir"  # nothing may come from a local stack
+    return env
+
+
+async def evalbus(
+    stack: ServiceStack, *args: str, cwd: Path, timeout_s: float = 120.0
+) -> subprocess.CompletedProcess[str]:
+    """Run the command (in a thread: the test's event loop stays free)."""
+    command = [sys.executable, "-m", "evalbus.cli", *args, "--gateway", stack.gateway_url, "--token", stack.admin_token]
+    return await asyncio.to_thread(
+        subprocess.run, command, cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout_s
+    )
+
+
+@pytest.fixture
+def stack(service_stack: ServiceStack) -> ServiceStack:
+    service_stack.start_all()
+    return service_stack
+
+
+async def test_run_json_summary_matches_the_cases(stack: ServiceStack, tmp_path: Path) -> None:
+    suite = small_suite(tmp_path / "suite")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    done = await evalbus(stack, "run", str(suite), "--json", cwd=elsewhere)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1, done.stdout
+    doc = json.loads(lines[0])
+    assert set(doc) == {"batch_id", "status", "summary"}
+    assert doc["status"] == "succeeded"
+    summary = doc["summary"]
+    counts = summary["counts"]
+    assert (counts["requested"], counts["executed"], counts["judged"], counts["exported"]) == (3, 3, 3, 3)
+    verdicts = summary["verdicts"]
+    assert (verdicts["passed"], verdicts["failed"]) == (1, 2)
+    assert verdicts["passed"] + verdicts["failed"] + verdicts.get("no_verdict", 0) == len(CASES)
+    metrics = {m["metric"]: m for m in summary["metrics"]}
+    assert metrics["answer_match"]["count"] == 3
+    assert metrics["answer_match"]["pass_rate"] == pytest.approx(1 / 3)
+    assert metrics["judge:rubric"]["unmeasured"] == {"unsupported": 3}
+
+    async with stack.client() as gw:
+        view, runs = await gw.get(doc["batch_id"]), await gw.all_cases(doc["batch_id"])
+    assert view.summary is not None
+    assert summary == json.loads(encode(view.summary))
+    assert sorted(r.case_id for r in runs) == sorted(CASES)
+    assert all(r.executed_status == "succeeded" for r in runs)  # the agent path was resolved
+
+
+async def test_run_draws_progress_then_the_scorecard(stack: ServiceStack, tmp_path: Path) -> None:
+    suite = small_suite(tmp_path / "suite")
+    done = await evalbus(stack, "run", str(suite), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    batch_id = lines[0].split()[1].rstrip(":")
+    assert lines[0].startswith(f"batch {batch_id}: cli-run, 3 runs")
+    progress = [line for line in lines if line.startswith("[") and "s] " in line]
+    assert progress, done.stdout
+    assert progress[-1].endswith("requested 3/3  executed 3/3  judged 3/3  exported 3/3")
+    assert "\x1b" not in done.stdout  # not a terminal: plain lines, no redrawing
+    assert f"batch {batch_id}  suite cli-run  3 runs  status succeeded" in lines
+    assert any(line.startswith("answer_match ") for line in lines)
+    assert "verdicts  1 passed, 2 failed, 0 without a verdict (pass rate 33.3%)" in lines
+    assert any(line.startswith("export    succeeded: 3 exported, 0 failed  file://") for line in lines)
+    assert "failed cases (2 of 3)" in lines
+    capital = next(line for line in lines if line.strip().startswith("capital-03"))
+    assert "'Canberra'" in capital
+    assert "verdict fail (objective)" in capital
+
+    # `tail` of the settled batch replays its events from the first one and ends at once.
+    tail = await evalbus(stack, "tail", batch_id, cwd=tmp_path)
+    assert tail.returncode == 0, tail.stderr
+    rows = tail.stdout.splitlines()
+    types = [row.split()[1] for row in rows[:-1]]
+    assert types[0] == "batch.requested"
+    assert types[-1] == "batch.finalized"
+    assert sorted(types[1:-1]) == sorted(["case.requested", "case.executed", "case.judged", "case.exported"] * 3)
+    assert rows[-1] == f"end: batch {batch_id} succeeded"
+    as_json = await evalbus(stack, "tail", batch_id, "--json", cwd=tmp_path)
+    events = [json.loads(row) for row in as_json.stdout.splitlines()]
+    assert [e["type"] for e in events[:-1]] == types
+    assert events[-1]["event"] == {"batch_id": batch_id, "status": "succeeded"}
+    later = await evalbus(stack, "tail", batch_id, "--json", "--after", str(events[-3]["seq"]), cwd=tmp_path)
+    assert [json.loads(row)["type"] for row in later.stdout.splitlines()] == [types[-1], "end"]
+
+
+async def test_run_of_a_cancelled_batch_exits_1(stack: ServiceStack, tmp_path: Path) -> None:
+    slow = tmp_path / "suite"
+    suite = small_suite(slow, command=["python3", "slow_agent.py"], timeout_s=30)
+    (slow / "slow_agent.py").write_text("import time\ntime.sleep(1.5)\nprint('done')\n")
+    command = [sys.executable, "-m", "evalbus.cli", "run", str(suite)]
+    command += ["--gateway", stack.gateway_url, "--token", stack.admin_token]
+    proc = await asyncio.create_subprocess_exec(
+        *command, env=cli_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    assert proc.stdout is not None
+    first = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+    batch_id = first.split()[1].rstrip(":")
+    async with stack.client() as gw:
+        await gw.cancel(batch_id)
+    stdout, stderr = await asyncio.wait_for(proc.communicate(), 120)
+    out, err = stdout.decode(), stderr.decode()
+    assert proc.returncode == 1, err
+    assert "status    cancelled (by admin)" in out.splitlines()
+
+
+async def test_run_no_wait_only_submits(stack: ServiceStack, tmp_path: Path) -> None:
+    suite = small_suite(tmp_path / "suite", cases=("math-01",))
+    started = time.monotonic()
+    done = await evalbus(stack, "run", str(suite), "--json", "--no-wait", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert (doc["status"], doc["summary"]) == ("queued", None)
+
+    status = None
+    async with stack.client() as gw:
+        async for event in gw.events(doc["batch_id"]):
+            if event.event == "end":
+                status = json.loads(event.data)["status"]
+    assert status == "succeeded"
+    assert time.monotonic() - started < 120
+
+
+async def test_run_against_no_gateway_exits_1(tmp_path: Path) -> None:
+    suite = small_suite(tmp_path / "suite", cases=("math-01",))
+    command = [
+        sys.executable,
+        "-m",
+        "evalbus.cli",
+        "run",
+        str(suite),
+        "--gateway",
+        "http://127.0.0.1:9",
+        "--token",
+        "t",
+    ]
+    done = await asyncio.to_thread(subprocess.run, command, env=cli_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "unreachable" in done.stderr
+    assert done.stdout == ""
