@@ -11,8 +11,15 @@ It gets some tasks wrong on purpose, so the scorecard has something to show:
 - its letter counter counts a doubled letter once ("how many l's in 'balloon'?");
 - it rounds percentages to whole numbers even when asked for one decimal.
 
-If `OTEL_EXPORTER_OTLP_ENDPOINT` is set and opentelemetry-sdk is importable, it also exports its
-steps as OTLP spans (OpenInference attributes, `evalbus.run_id` on the resource and root span).
+OTLP export: when `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT` is set and
+opentelemetry-sdk is importable, the agent exports its steps as OTLP spans instead of printing them
+(a harness with a platform trace gets its trace from the platform, so printing the steps as well
+would count each one twice). The SDK reads the standard variables itself (endpoint, headers, and
+`OTEL_RESOURCE_ATTRIBUTES`, where the dispatcher puts `evalbus.run_id`); the run id is also set on
+the root span (Phoenix keeps span attributes only), and the trace id is the first 32 hex digits of
+SHA-256(run id), so `correlate: id` finds it (`correlate: tag` works too). Spans carry the steps'
+real times and OpenInference attributes: an AGENT root (task in, answer out), one LLM span per
+planner call (model, tokens, cost), one TOOL span per tool call (arguments, output, error status).
 """
 
 from __future__ import annotations
@@ -23,11 +30,14 @@ import re
 import sys
 import time
 from collections.abc import Callable
+from importlib.util import find_spec
 from typing import Any
 
 START = time.monotonic()
+START_NS = time.time_ns()
 PRICE_PER_1K = {"input": 0.00015, "output": 0.0006}  # what the demo pretends its planner costs
 MODEL = "demo-planner-1"
+OTLP_EXPORTER_MODULE = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
 _steps: list[dict[str, Any]] = []
 
 
@@ -38,11 +48,28 @@ def now() -> float:
 def emit(kind: str, **fields: Any) -> None:
     event = {"kind": kind, "t": now(), **fields}
     _steps.append(event)
-    print("EVALBUS_EVENT " + json.dumps(event), flush=True)
+    if not OTLP:  # with OTLP export the platform trace is the trace
+        print("EVALBUS_EVENT " + json.dumps(event), flush=True)
 
 
 def log(text: str) -> None:
     print(f"[agent] {text}", file=sys.stderr, flush=True)
+
+
+def otlp_wanted() -> bool:
+    """Whether an OTLP endpoint is configured and the SDK is importable."""
+    if not (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
+        return False
+    try:
+        found = all(find_spec(m) is not None for m in ("opentelemetry.sdk.trace", OTLP_EXPORTER_MODULE))
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        log("opentelemetry-sdk not importable: no OTLP export, steps are printed")
+    return found
+
+
+OTLP = otlp_wanted()
 
 
 def plan(task: str, thought: str) -> None:
@@ -149,45 +176,91 @@ def solve(task: str) -> str:
     return "I don't know"
 
 
+def wall_ns(t: float) -> int:
+    """Unix nanoseconds of a step time (seconds since the agent started)."""
+    return START_NS + int(t * 1e9)
+
+
 def export_otel(run_id: str, task: str, answer: str) -> None:
-    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    if not endpoint:
+    """Export the recorded steps as OTLP spans (see the module docstring)."""
+    if not OTLP:
         return
-    try:
-        from opentelemetry import trace
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    except ImportError:
-        log("opentelemetry-sdk not importable: no OTLP export")
-        return
-    headers = dict(
-        kv.split("=", 1) for kv in os.environ.get("OTEL_EXPORTER_OTLP_HEADERS", "").split(",") if "=" in kv
+    import hashlib
+    import random
+
+    from opentelemetry import trace
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.id_generator import IdGenerator
+    from opentelemetry.trace import Status, StatusCode
+
+    class RunTraceId(IdGenerator):
+        """Trace id = SHA-256(run id)[:32]: evalbus's id correlation."""
+
+        def generate_span_id(self) -> int:
+            return random.getrandbits(64) or 1
+
+        def generate_trace_id(self) -> int:
+            return int(hashlib.sha256(run_id.encode()).hexdigest()[:32], 16)
+
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": "evalbus-demo-agent"}), id_generator=RunTraceId()
     )
-    provider = TracerProvider(resource=Resource.create({"service.name": "evalbus-demo-agent"}))
-    provider.add_span_processor(
-        SimpleSpanProcessor(OTLPSpanExporter(endpoint=endpoint.rstrip("/") + "/v1/traces", headers=headers))
-    )
+    # one export of every span at shutdown; endpoint and headers come from the environment
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     tracer = provider.get_tracer("evalbus-demo-agent")
-    with tracer.start_as_current_span("agent", attributes={
-        "openinference.span.kind": "AGENT", "evalbus.run_id": run_id, "input.value": task, "output.value": answer,
-    }):
-        for step in _steps:
-            if step["kind"] == "llm_call":
-                with tracer.start_as_current_span("plan", attributes={
-                    "openinference.span.kind": "LLM", "llm.model_name": step["model"],
+    root = tracer.start_span(
+        "agent",
+        start_time=START_NS,
+        attributes={
+            "openinference.span.kind": "AGENT",
+            "evalbus.run_id": run_id,
+            "input.value": task,
+            "output.value": answer,
+        },
+    )
+    inside = trace.set_span_in_context(root)
+    results = {s["id"]: s for s in _steps if s["kind"] == "tool_result"}
+    for step in _steps:
+        if step["kind"] == "llm_call":
+            start = wall_ns(step["t"]) - int(step["latency_ms"] * 1e6)
+            span = tracer.start_span(
+                "plan",
+                context=inside,
+                start_time=start,
+                attributes={
+                    "openinference.span.kind": "LLM",
+                    "llm.model_name": step["model"],
                     "llm.token_count.prompt": step["input_tokens"],
                     "llm.token_count.completion": step["output_tokens"],
+                    "llm.token_count.total": step["input_tokens"] + step["output_tokens"],
                     "llm.cost.total": step["cost_usd"],
-                }):
-                    pass
-            elif step["kind"] == "tool_call":
-                with trace.use_span(tracer.start_span(step["name"], attributes={
-                    "openinference.span.kind": "TOOL", "tool.name": step["name"],
+                },
+            )
+            span.end(end_time=wall_ns(step["t"]))
+        elif step["kind"] == "tool_call":
+            result = results.get(step["id"], {})
+            span = tracer.start_span(
+                step["name"],
+                context=inside,
+                start_time=wall_ns(step["t"]),
+                attributes={
+                    "openinference.span.kind": "TOOL",
+                    "tool.name": step["name"],
+                    "tool_call.id": step["id"],
                     "input.value": json.dumps(step["args"]),
-                }), end_on_exit=True):
-                    pass
+                    "output.value": str(result.get("output", "")),
+                },
+            )
+            if result.get("ok") is False:
+                span.set_status(Status(StatusCode.ERROR, str(result.get("output", ""))))
+            span.end(end_time=wall_ns(result.get("t", step["t"])))
+    errors = [s["message"] for s in _steps if s["kind"] == "error"]
+    if errors:
+        root.set_status(Status(StatusCode.ERROR, errors[-1]))
+    root.end()
     provider.shutdown()
 
 

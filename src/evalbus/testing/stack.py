@@ -67,7 +67,7 @@ class ServiceStack:
             raise RuntimeError(f"{name} is already running")
         if old is not None:
             old.log_file.close()  # the old process's log; a new one is opened below
-        port = old.port if old is not None else free_port()
+        port = old.port if old is not None else self._new_port()
         self._starts += 1
         log_path = self.workdir / f"{name}-{self._starts}.log"
         log_file = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -97,6 +97,13 @@ class ServiceStack:
         if wait:
             self.wait_ready(name)
         return sp
+
+    def _new_port(self) -> int:
+        # Services started together could be handed the same free port before either binds it.
+        taken = {sp.port for sp in self.procs.values()}
+        while (port := free_port()) in taken:
+            pass
+        return port
 
     def start_all(self, names: typing.Iterable[str] = SERVICES) -> None:
         """Start every named service, then wait for all of them."""

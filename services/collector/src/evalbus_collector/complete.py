@@ -5,13 +5,17 @@ A missing trace never discards what the sandbox produced: an empty pull (after t
 `collect_trace`) appends an `error` event naming the correlation key; a dead endpoint does the same
 once the caller gives up retrying; a missing secret makes the deferred graders visibly
 `unmeasured: missing_secret` — there is no unauthenticated pull.
+
+In `control-plane` mode the dispatcher leaves the trace as the harness printed it, so the final
+answer is made explicit here, as the dispatcher does in `job` mode: when the completed trace has
+no assistant message and the run has an answer, the answer is appended as one.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from evalbus_contracts import CaseCollected, CaseExecuted, Error, GraderSpec, Score, TraceEvent
+from evalbus_contracts import CaseCollected, CaseExecuted, Error, GraderSpec, Message, Score, TraceEvent
 from evalbus_grading import Evidence, grade_observations, in_grader_order, unmeasured_scores
 from evalbus_traces import CollectOutcome
 
@@ -33,7 +37,7 @@ def complete(event: CaseExecuted, outcome: CollectOutcome | None, *, degraded: s
             added.append(outcome.error_event)
     if degraded is not None:
         added.append(Error(t=_end(result.trace), message=degraded))
-    trace = (*result.trace, *added)
+    trace = with_final_answer((*result.trace, *added), result.answer)
     graders = deferred_graders(event)
     expected = event.case.expected if event.case is not None else None
     new_scores: tuple[Score, ...]
@@ -54,6 +58,13 @@ def complete(event: CaseExecuted, outcome: CollectOutcome | None, *, degraded: s
         plan=event.plan,
         case=event.case,
     )
+
+
+def with_final_answer(trace: tuple[TraceEvent, ...], answer: str | None) -> tuple[TraceEvent, ...]:
+    """The trace, with `answer` appended as the last assistant message when it has none."""
+    if not answer or any(isinstance(e, Message) and e.role == "assistant" for e in trace):
+        return trace
+    return (*trace, Message(role="assistant", text=answer, t=_end(trace)))
 
 
 def _end(trace: tuple[TraceEvent, ...]) -> float:

@@ -5,6 +5,11 @@ snapshot → compute graders → **release** (idempotent, also in `finally`) →
 mark `released` → collect the trace (`job` mode) → observation graders → `case.executed`.
 In `control-plane` mode the observation graders are left to the collector.
 
+A trace pull that fails is a retryable `collect` failure (the sandbox's scores stand, the
+observation graders are `unmeasured: missing_evidence`, an `error` trace event says why); a
+puller raising `MissingSecretError` pulled nothing, so the observation graders are
+`unmeasured: missing_secret` and the case has no failure.
+
 Every failure is data on the result (`CaseFailure`); `execute_case` raises only when cancelled
 (or given a request with neither a run id nor a batch id: `ValueError`, a poison message).
 The run's clock (`t`) starts when the dispatcher accepts the case; events the harness prints
@@ -43,6 +48,7 @@ from evalbus_dispatcher.errors import BackendError
 from evalbus_dispatcher.harness_output import complete_trace, log_tail, parse_stdout
 from evalbus_dispatcher.live import LiveSink, LiveTee, shift
 from evalbus_grading import Evidence, grade_compute, grade_observations, in_grader_order, partition, unmeasured_scores
+from evalbus_runtime.secrets import MissingSecretError
 
 log = logging.getLogger(__name__)
 
@@ -251,14 +257,20 @@ class _Execution:
         assert ref is not None
         try:
             pulled = await self._pull(ref)
+        except MissingSecretError as e:
+            # Nothing was pulled (never unauthenticated): a visible non-measurement, not a failure.
+            self._notes.append(Error(message=f"trace not collected from {ref.kind}: {e}", t=self._t()))
+            held.events = list(complete_trace(held.events, answer=answer, trace_kind=kind, stderr="", t_end=held.t_end))
+            held.scores += unmeasured_scores(observation, "missing_secret", str(e))
+            return held
         except Exception as e:
             message = f"trace pull from {ref.kind} failed: {type(e).__name__}: {e}"
             log.warning("%s", message)
             collect_failure = self._failure("collect", "infra", "collect_failed", message, retryable=True)
             if held.failure is None:
                 held.failure = collect_failure
-            else:
-                self._notes.append(Error(message=message, t=self._t()))
+            # the trace itself says why its platform events are missing
+            self._notes.append(Error(message=message, t=self._t()))
             held.events = list(complete_trace(held.events, answer=answer, trace_kind=kind, stderr="", t_end=held.t_end))
             held.scores += unmeasured_scores(
                 observation, "missing_evidence", "the trace could not be pulled", retryable=True

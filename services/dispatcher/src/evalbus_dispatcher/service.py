@@ -35,7 +35,7 @@ from evalbus_dispatcher.cancellation import cancelled_execution
 from evalbus_dispatcher.execute import execute_case, run_id_of
 from evalbus_dispatcher.fanout import fan_out
 from evalbus_dispatcher.retry import next_attempt, should_retry
-from evalbus_runtime import Delivery, Publisher, SecretStore, Service, ServiceSettings, Stage
+from evalbus_runtime import Delivery, MissingSecretError, Publisher, SecretStore, Service, ServiceSettings, Stage
 from evalbus_traces import build_source, collect_trace
 from evalbus_traces.errors import TraceUnavailableError
 
@@ -76,7 +76,13 @@ class LiveBus:
 
 
 class PlatformTracePuller:
-    """Job-mode collection: the harness's platform trace through an `evalbus_traces` source."""
+    """Job-mode collection: the harness's platform trace through an `evalbus_traces` source.
+
+    An empty pull is retried (flush lag) and, still empty, gives the `error` event naming the
+    correlation key; a hard error raises `TraceUnavailableError` (a retryable collect failure); a
+    secret the reference names but the store lacks raises `MissingSecretError` — nothing was sent,
+    and `execute_case` records the observation graders as `unmeasured: missing_secret`.
+    """
 
     def __init__(self, secrets: SecretStore) -> None:
         self._secrets = secrets
@@ -92,7 +98,9 @@ class PlatformTracePuller:
     async def pull(self, ref: TraceRef) -> list[TraceEvent]:
         assert self._session is not None
         outcome = await collect_trace(build_source(ref, self._secrets, self._session), ref)
-        if outcome.status in ("unavailable", "missing_secret"):
+        if outcome.status == "missing_secret":
+            raise MissingSecretError(outcome.missing_secret or ref.auth_secret or "")
+        if outcome.status == "unavailable":
             raise TraceUnavailableError(outcome.error or outcome.status)
         events = list(outcome.events)
         if outcome.error_event is not None:
