@@ -6,7 +6,7 @@ set shell := ["bash", "-euo", "pipefail", "-c"]
 
 uv := env("UV", "uv")
 run := uv + " run --frozen"
-code := "libs services src tests bench"
+code := "libs services src tests bench examples"
 
 # List the recipes.
 default:
