@@ -27,8 +27,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import msgspec
-
 from evalbus.infra.nats import start_nats
 from evalbus_contracts import (
     CaseExecuted,
@@ -42,7 +40,6 @@ from evalbus_contracts import (
     Measured,
     Message,
     ToolCall,
-    encode,
     encode_token,
 )
 from evalbus_contracts.events import EventBase
@@ -89,13 +86,27 @@ async def chassis_stage(url: str, stage: int, batch: str) -> None:
     async def handle(ev: EventBase, _: Delivery) -> Sequence[EventBase]:
         if isinstance(ev, CaseRequested):
             return [
-                CaseExecuted(batch_id=ev.batch_id, case_id=ev.case_id, run_id=ev.run_id, status="succeeded",
-                             result=result_for(ev), plan=ev.plan, case=ev.case)
+                CaseExecuted(
+                    batch_id=ev.batch_id,
+                    case_id=ev.case_id,
+                    run_id=ev.run_id,
+                    status="succeeded",
+                    result=result_for(ev),
+                    plan=ev.plan,
+                    case=ev.case,
+                )
             ]
         if isinstance(ev, CaseExecuted):
             return [
-                CaseJudged(batch_id=ev.batch_id, case_id=ev.case_id, run_id=ev.run_id, status="judged",
-                           result=ev.result, plan=ev.plan, case=ev.case)
+                CaseJudged(
+                    batch_id=ev.batch_id,
+                    case_id=ev.case_id,
+                    run_id=ev.run_id,
+                    status="judged",
+                    result=ev.result,
+                    plan=ev.plan,
+                    case=ev.case,
+                )
             ]
         assert isinstance(ev, CaseJudged)
         return [CaseExported(batch_id=ev.batch_id, case_id=ev.case_id, run_id=ev.run_id, status="skipped")]
@@ -129,7 +140,9 @@ def spawn(mode: str, url: str, stage: int, batch: str, logdir: Path) -> subproce
     log = open(logdir / f"{mode}-{stage}.log", "wb")  # noqa: SIM115 - the child owns it
     return subprocess.Popen(
         [sys.executable, __file__, "stage", mode, url, str(stage), batch],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "LOG_LEVEL": "WARNING", "LOG_FORMAT": "text"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "LOG_LEVEL": "WARNING", "LOG_FORMAT": "text"},
     )
 
 
@@ -153,10 +166,13 @@ async def drive(url: str, batch: str, n: int, rate: float | None, prefix: str = 
             if len(latencies) == n:
                 done.set()
 
-    await nc.subscribe(f"case.exported.{encode_token(batch)}.>", cb=on_out, pending_msgs_limit=-1, pending_bytes_limit=-1)
+    await nc.subscribe(
+        f"case.exported.{encode_token(batch)}.>", cb=on_out, pending_msgs_limit=-1, pending_bytes_limit=-1
+    )
     pub = Publisher(nc)
     await pub.start()
     payloads = [(request(batch, i, prefix), f"{prefix}{i}") for i in range(n)]
+    pending: set[asyncio.Future[object]] = set()
     t_start = time.perf_counter()
     if rate is None:
         window = 512
@@ -174,8 +190,9 @@ async def drive(url: str, batch: str, n: int, rate: float | None, prefix: str = 
             if delay > 0:
                 await asyncio.sleep(delay)
             sent[case] = time.perf_counter()
-            asyncio.ensure_future(pub.publish_event(ev))
+            pending.add(asyncio.ensure_future(pub.publish_event(ev)))
     await asyncio.wait_for(done.wait(), timeout=max(120.0, n / 200))
+    await asyncio.gather(*pending)
     elapsed = last_out - t_start
     await pub.stop()
     await nc.close()

@@ -1,0 +1,436 @@
+"""Throughput benchmark: zero-latency cases through dispatcher → judge → exporter → recorder, next
+to a bare nats-py 3-stage relay measured in the same run.
+
+Workload (issue 3, benchmark 2): 20,000 cases in one `batch.requested` (published straight onto the
+bus); the harness is a trivial command (`/bin/echo 4`: still one process spawn, workdir and
+process group per case on the local backend), the judge an exact-match rule, no sink; all five
+services as processes on a nats-server and a PostgreSQL database of the benchmark's own. The bare
+relay is `bench/chassis.py`'s (`pull_subscribe` + `fetch` + `publish_async` + ack), on a
+nats-server of its own so the recorder does not see its messages.
+
+Measured, in order:
+1. relay — cases/s of the bare 3-stage relay.
+2. pipeline — the batch end to end: cases/s from the publish to the last `case.exported`, the
+   time to `batch.finalized` (recorder and finalisation included), each stage's own rate
+   (first to last event of that stage) and the executed → exported latency.
+3. backend — what one case costs the local backend alone (provision, spawn, wait, release) at the
+   dispatcher's slot count, in this process: the ceiling the harness spawn puts on the pipeline.
+4. downstream — the harness factored out: `case.executed` events published directly (as the
+   dispatcher emits them) through judge → exporter (→ recorder), cases/s; with the contract's
+   global limits (judge-cases max_ack_pending 4, exporter-cases 2) and, for comparison, with
+   those limits raised to 1,000.
+5. paced — p50/p99 publish-to-exported at a paced 500 cases/s: `case.requested` (through the
+   dispatcher, process spawn included) and `case.executed` (harness factored out).
+
+Goals: ≥ 1,000 cases/s and ≥ 0.5 × the relay (pipeline), p99 ≤ 50 ms at 500 cases/s (paced, through
+the dispatcher). Prints a short table, or one JSON line with --json; exits 0 either way.
+
+    uv run python bench/throughput.py [--cases 20000] [--rate 500] [--paced-seconds 10] [--slots 16] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as `python bench/throughput.py`: make `bench.*` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import chassis
+from bench._common import (
+    RULE_JUDGE,
+    ZERO_HARNESS,
+    BatchWatch,
+    CpuMeter,
+    Infra,
+    batch_request,
+    consumer_limit,
+    drained,
+    fmt,
+    mean,
+    percentile,
+    pipeline_stack,
+    quiet_logs,
+    report,
+    running,
+    sample_events,
+    set_consumer,
+    stack_pids,
+)
+
+from evalbus_contracts import CaseExecuted, CasePlan, CaseRequested, CaseSpec
+from evalbus_contracts.events import EventBase
+from evalbus_contracts.streams import EXPORTER_CASES, GATEWAY_RECORDER, JUDGE_CASES
+from evalbus_dispatcher.backends.local import LocalBackend
+from evalbus_runtime import Publisher, connect
+
+STAGES = ("case.requested", "case.executed", "case.judged", "case.exported")
+RAISED_LIMIT = 1000
+
+
+async def metered(meter: CpuMeter, work: Awaitable[dict[str, Any]], cases: int) -> dict[str, Any]:
+    """Run `work` while `meter` measures; add CPU ms per case by component and the cores' busy share."""
+    meter.start()
+    out = await work
+    meter.stop()
+    return out | {"cpu_ms_per_case": meter.per_case_ms(cases), "cpu_busy": meter.utilisation()}
+
+
+# ---------------------------------------------------------------- 1. the bare relay
+
+
+async def relay(infra: Infra, n: int) -> dict[str, float]:
+    """chassis.py's bare nats-py relay on a nats-server of its own."""
+    server = infra.new_nats("nats-relay")
+    logdir = infra.workdir / "relay"
+    logdir.mkdir(exist_ok=True)
+    try:
+        return await chassis.run_mode(server.url, "bare", n, None, logdir)
+    finally:
+        server.stop()
+
+
+# ---------------------------------------------------------------- 2. the pipeline
+
+
+async def pipeline(infra: Infra, n: int, timeout_s: float) -> dict[str, Any]:
+    """One batch of `n` zero-latency cases, from `batch.requested` to `batch.finalized`."""
+    batch_id = f"tp-{uuid.uuid4().hex[:8]}"
+    request = batch_request(batch_id, n, ZERO_HARNESS, RULE_JUDGE)
+    nc = await connect(infra.nats_url, "bench-throughput")
+    try:
+        watch = await BatchWatch(nc, batch_id).start()
+        pub = Publisher(nc)
+        await pub.start()
+        t0 = time.monotonic()
+        await pub.publish_event(request)
+        await watch.wait_for("case.exported", n, timeout_s)
+        finalized: float | None = None
+        try:
+            await watch.wait_for("batch.finalized", 1, max(60.0, n / 500))
+            finalized = watch.last("batch.finalized") - t0
+        except TimeoutError:
+            pass
+        await watch.stop()
+        await pub.stop()
+    finally:
+        await nc.close()
+    makespan = watch.last("case.exported") - t0
+    rates = {}
+    for stage in STAGES:
+        times = watch.times.get(stage, {})
+        span = max(times.values()) - min(times.values()) if len(times) > 1 else float("nan")
+        rates[stage] = {
+            "first_s": min(times.values()) - t0,
+            "last_s": max(times.values()) - t0,
+            "per_s": (len(times) - 1) / span if span > 0 else float("nan"),
+        }
+    executed, exported = watch.times.get("case.executed", {}), watch.times["case.exported"]
+    downstream = [exported[k] - executed[k] for k in exported if k in executed]
+    return {
+        "cases": n,
+        "makespan_s": makespan,
+        "cases_per_s": n / makespan,
+        "finalized_s": finalized,
+        "stages": rates,
+        "executed_to_exported_p50_ms": 1000 * percentile(downstream, 0.5),
+        "executed_to_exported_p99_ms": 1000 * percentile(downstream, 0.99),
+    }
+
+
+# ---------------------------------------------------------------- 3. the local backend alone
+
+
+async def backend_alone(n: int, concurrency: int) -> dict[str, Any]:
+    """Cases/s of the local backend alone (provision, run the harness, snapshot, release), with the
+    mean time of each step."""
+    backend = LocalBackend(slots=concurrency)
+    gate = asyncio.Semaphore(concurrency)
+    plan = CasePlan(judges=RULE_JUDGE, suite_id="bench")
+    steps: dict[str, list[float]] = {"provision": [], "run": [], "snapshot": [], "release": [], "case": []}
+
+    async def nothing(_stream: str, _line: str) -> None:
+        return None
+
+    async def one(i: int) -> None:
+        req = CaseRequested(
+            batch_id="backend",
+            case_id=f"c{i}",
+            run_id=f"evb-backend-c{i}",
+            case=CaseSpec(id=f"c{i}", input="What is 2 + 2?", expected="4"),
+            harness=ZERO_HARNESS,
+            plan=plan,
+        )
+        async with gate:
+            t = [time.monotonic()]
+            sandbox = await backend.provision(req)
+            t.append(time.monotonic())
+            try:
+                run = await sandbox.run_harness(nothing)
+                t.append(time.monotonic())
+                await sandbox.snapshot(run.stdout)
+                t.append(time.monotonic())
+            finally:
+                await sandbox.release()
+            t.append(time.monotonic())
+            for k, name in enumerate(("provision", "run", "snapshot", "release")):
+                steps[name].append(t[k + 1] - t[k])
+            steps["case"].append(t[-1] - t[0])
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(one(i) for i in range(n)))
+    elapsed = time.monotonic() - t0
+    return {
+        "cases": n,
+        "concurrency": concurrency,
+        "cases_per_s": n / elapsed,
+        "step_mean_ms": {name: 1000 * mean(values) for name, values in steps.items()},
+    }
+
+
+async def backend_sweep(n: int, concurrencies: Sequence[int]) -> list[dict[str, Any]]:
+    """`backend_alone` at each concurrency, with the CPU it cost this process (harnesses included)."""
+    return [await metered(CpuMeter({}), backend_alone(n, c), n) for c in concurrencies]
+
+
+# ---------------------------------------------------------------- 4./5. driving case events directly
+
+
+def executed_events(batch_id: str, n: int, prefix: str) -> list[tuple[str, EventBase]]:
+    """`n` `case.executed` events of a batch, as the dispatcher emits them (case token, event)."""
+    plan = CasePlan(judges=RULE_JUDGE, suite_id="bench")
+    out: list[tuple[str, EventBase]] = []
+    for i in range(n):
+        case_id = f"{prefix}{i}"
+        event = sample_events(batch_id, case_id, plan, ZERO_HARNESS)[1]
+        assert isinstance(event, CaseExecuted)
+        out.append((case_id, event))
+    return out
+
+
+def requested_events(batch_id: str, n: int, prefix: str) -> list[tuple[str, EventBase]]:
+    """`n` `case.requested` events of a batch, as the fan-out emits them (case token, event)."""
+    plan = CasePlan(judges=RULE_JUDGE, suite_id="bench")
+    return [(f"{prefix}{i}", sample_events(batch_id, f"{prefix}{i}", plan, ZERO_HARNESS)[0]) for i in range(n)]
+
+
+async def drive(
+    url: str, batch_id: str, events: Sequence[tuple[str, EventBase]], rate: float | None, timeout_s: float
+) -> dict[str, float]:
+    """Publish `events` (at `rate`/s, or in windows as fast as possible) and time each case from its
+    publish to its `case.exported`."""
+    nc = await connect(url, "bench-drive")
+    try:
+        watch = await BatchWatch(nc, batch_id).start()
+        pub = Publisher(nc)
+        await pub.start()
+        sent: dict[str, float] = {}
+        publishes: list[asyncio.Future[Any]] = []
+        t0 = time.monotonic()
+        if rate is None:
+            for k in range(0, len(events), 512):
+                chunk = events[k : k + 512]
+                now = time.monotonic()
+                for case, _ in chunk:
+                    sent[case] = now
+                await pub.publish_events(ev for _, ev in chunk)
+        else:
+            for i, (case, ev) in enumerate(events):
+                delay = t0 + i / rate - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                sent[case] = time.monotonic()
+                publishes.append(asyncio.ensure_future(pub.publish_event(ev)))
+        await watch.wait_for("case.exported", len(events), timeout_s)
+        await asyncio.gather(*publishes)
+        await watch.stop()
+        await pub.stop()
+    finally:
+        await nc.close()
+    exported = watch.times["case.exported"]
+    latencies = [exported[c] - t for c, t in sent.items() if c in exported]
+    elapsed = max(exported.values()) - t0
+    return {
+        "cases": len(events),
+        "seconds": elapsed,
+        "cases_per_s": len(events) / elapsed,
+        "p50_ms": 1000 * percentile(latencies, 0.5),
+        "p99_ms": 1000 * percentile(latencies, 0.99),
+        "max_ms": 1000 * max(latencies),
+    }
+
+
+async def wait_recorder(url: str, timeout_s: float) -> float:
+    """Seconds until the recorder's consumer has nothing pending or unacknowledged."""
+    nc = await connect(url, "bench-recorder-wait")
+    js = nc.jetstream()
+    t0 = time.monotonic()
+    try:
+        while not await drained(js, GATEWAY_RECORDER):
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"the recorder did not drain in {timeout_s}s")
+            await asyncio.sleep(0.05)
+    finally:
+        await nc.close()
+    return time.monotonic() - t0
+
+
+async def set_limits(url: str, judge: int, exporter: int) -> dict[str, int]:
+    """Set the judge and exporter consumers' global limits; return what the server then holds."""
+    nc = await connect(url, "bench-limits")
+    js = nc.jetstream()
+    try:
+        await set_consumer(js, JUDGE_CASES, max_ack_pending=judge)
+        await set_consumer(js, EXPORTER_CASES, max_ack_pending=exporter)
+        return {
+            "judge_max_ack_pending": await consumer_limit(js, JUDGE_CASES),
+            "exporter_max_ack_pending": await consumer_limit(js, EXPORTER_CASES),
+        }
+    finally:
+        await nc.close()
+
+
+# ---------------------------------------------------------------- main
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    n = args.cases
+    paced_n = int(args.rate * args.paced_seconds)
+    timeout_s = max(300.0, n / 20)
+    out: dict[str, Any] = {
+        "benchmark": "throughput",
+        "cases": n,
+        "slots": args.slots,
+        "paced_rate": args.rate,
+        "cores": os.cpu_count(),
+    }
+    out["load_avg_before"] = os.getloadavg()[0]
+    async with Infra(database=True) as infra:
+        out["database"] = infra.database_source
+        out["relay"] = await relay(infra, n)
+        stack = pipeline_stack(infra, "stack", service_env={"dispatcher": {"DISPATCHER_SLOTS": str(args.slots)}})
+        await asyncio.to_thread(stack.start_all)
+        async with running(stack):
+            url = infra.nats_url
+            meter = CpuMeter(stack_pids(stack, infra))
+            out["contract_limits"] = await set_limits(url, JUDGE_CASES.max_ack_pending, EXPORTER_CASES.max_ack_pending)
+            # warm-up: every service has handled a case, the judge has resolved a rule judge
+            await pipeline(infra, 20, timeout_s)
+            out["pipeline"] = await metered(meter, pipeline(infra, n, timeout_s), n)
+            out["pipeline"]["recorder_drain_after_s"] = await wait_recorder(url, timeout_s)
+            batch = f"ds-{uuid.uuid4().hex[:6]}"
+            work = drive(url, batch, executed_events(batch, n, "x"), None, timeout_s)
+            out["downstream"] = await metered(meter, work, n)
+            out["downstream"]["recorder_drain_after_s"] = await wait_recorder(url, timeout_s)
+            batch = f"pe-{uuid.uuid4().hex[:6]}"
+            work = drive(url, batch, executed_events(batch, paced_n, "p"), args.rate, timeout_s)
+            out["paced_executed"] = await metered(meter, work, paced_n)
+            batch = f"pr-{uuid.uuid4().hex[:6]}"
+            work = drive(url, batch, requested_events(batch, paced_n, "q"), args.rate, timeout_s)
+            out["paced_requested"] = await metered(meter, work, paced_n)
+            await wait_recorder(url, timeout_s)
+            slow_n = int(args.sustainable_rate * args.paced_seconds)
+            batch = f"ps-{uuid.uuid4().hex[:6]}"
+            work = drive(url, batch, requested_events(batch, slow_n, "s"), args.sustainable_rate, timeout_s)
+            out["paced_requested_sustainable"] = await metered(meter, work, slow_n) | {"rate": args.sustainable_rate}
+            await wait_recorder(url, timeout_s)
+            out["raised_limits"] = await set_limits(url, RAISED_LIMIT, RAISED_LIMIT)
+            batch = f"dr-{uuid.uuid4().hex[:6]}"
+            work = drive(url, batch, executed_events(batch, n, "y"), None, timeout_s)
+            out["downstream_raised"] = await metered(meter, work, n)
+            out["downstream_raised"]["recorder_drain_after_s"] = await wait_recorder(url, timeout_s)
+            batch = f"px-{uuid.uuid4().hex[:6]}"
+            work = drive(url, batch, executed_events(batch, paced_n, "z"), args.rate, timeout_s)
+            out["paced_executed_raised"] = await metered(meter, work, paced_n)
+        concurrencies = sorted({1, 4, 16, args.slots})
+        out["backend"] = await backend_sweep(min(n, args.backend_cases), concurrencies)
+    out["load_avg_after"] = os.getloadavg()[0]
+    relay_rate = out["relay"]["events_per_s"]
+    rate = out["pipeline"]["cases_per_s"]
+    out["ratio_to_relay"] = rate / relay_rate
+    out["goals"] = {"cases_per_s": 1000.0, "ratio_to_relay": 0.5, "paced_p99_ms": 50.0}
+    out["checks"] = {
+        "cases_per_s": rate >= 1000.0,
+        "ratio_to_relay": rate / relay_rate >= 0.5,
+        "paced_p99_ms": out["paced_requested"]["p99_ms"] <= 50.0,
+    }
+    out["ok"] = all(out["checks"].values())
+    return out
+
+
+def table(out: dict[str, Any]) -> tuple[list[tuple[str, ...]], list[str]]:
+    """The rows and notes printed without --json."""
+    p, d, dr = out["pipeline"], out["downstream"], out["downstream_raised"]
+    pr, ps = out["paced_requested"], out["paced_requested_sustainable"]
+    pe, px = out["paced_executed"], out["paced_executed_raised"]
+    rows: list[tuple[str, ...]] = [
+        ("measurement", "cases/s", "p50", "p99", "note"),
+        ("bare relay (3 stages)", fmt(out["relay"]["events_per_s"], digits=0), "", "", "chassis.py's bare relay"),
+        ("pipeline, end to end", fmt(p["cases_per_s"], digits=0), "", "",
+         f"{p['cases']} cases in {fmt(p['makespan_s'], ' s')}; finalized at {fmt(p['finalized_s'], ' s')}"),
+    ]  # fmt: skip
+    for stage, r in p["stages"].items():
+        rows.append((f"  stage {stage}", fmt(r["per_s"], digits=0), "", "", f"{fmt(r['first_s'], ' s')} → {fmt(r['last_s'], ' s')}"))  # fmt: skip
+    rows.append(("  executed → exported", "", fmt(p["executed_to_exported_p50_ms"], " ms", 1),
+                 fmt(p["executed_to_exported_p99_ms"], " ms", 1), "inside the full run"))  # fmt: skip
+    for b in out["backend"]:
+        steps = ", ".join(f"{k} {v:.1f}" for k, v in b["step_mean_ms"].items())
+        rows.append(
+            (f"local backend alone ×{b['concurrency']}", fmt(b["cases_per_s"], digits=0), "", "", f"ms: {steps}")
+        )
+    rows += [
+        ("downstream (no harness)", fmt(d["cases_per_s"], digits=0), "", "", "case.executed → judge → exporter, limits 4 / 2"),
+        ("downstream, limits 1000", fmt(dr["cases_per_s"], digits=0), "", "", "the same with the global limits raised"),
+        (f"paced {out['paced_rate']:g}/s case.requested", fmt(pr["cases_per_s"], digits=0), fmt(pr["p50_ms"], " ms", 1), fmt(pr["p99_ms"], " ms", 1), "through the dispatcher"),
+        (f"paced {ps['rate']:g}/s case.requested", fmt(ps["cases_per_s"], digits=0), fmt(ps["p50_ms"], " ms", 1), fmt(ps["p99_ms"], " ms", 1), "through the dispatcher, a rate it sustains"),
+        (f"paced {out['paced_rate']:g}/s case.executed", fmt(pe["cases_per_s"], digits=0), fmt(pe["p50_ms"], " ms", 1), fmt(pe["p99_ms"], " ms", 1), "harness factored out, limits 4 / 2"),
+        (f"paced {out['paced_rate']:g}/s case.executed", fmt(px["cases_per_s"], digits=0), fmt(px["p50_ms"], " ms", 1), fmt(px["p99_ms"], " ms", 1), "harness factored out, limits 1000"),
+    ]  # fmt: skip
+    phases = [("pipeline", p), ("downstream", d), ("downstream 1k", dr), ("paced exec", pe), ("paced exec 1k", px)]
+    phases += [(f"backend ×{b['concurrency']}", b) for b in out["backend"]]
+    names = [n for n in p["cpu_ms_per_case"] if n != "total"] + ["total"]
+    notes = [
+        f"pipeline / relay: {fmt(out['ratio_to_relay'], digits=3)} (goal ≥ 0.5); goal ≥ 1000 cases/s; "
+        f"paced p99 goal ≤ 50 ms (through the dispatcher). Load average {out['load_avg_before']:.1f} before, "
+        f"{out['load_avg_after']:.1f} after (on {out['cores']} cores, shared)",
+        "CPU ms per case by process (busy: CPU used by these processes / all cores' time):",
+        "  " + "".join(f"{name[:12]:>13}" for name in ["phase", *names, "busy"]),
+    ]
+    for label, phase in phases:
+        cpu = phase["cpu_ms_per_case"]
+        cells = [fmt(cpu.get(name), digits=2) for name in names]
+        notes.append("  " + "".join(f"{c:>13}" for c in [label[:12], *cells, fmt(phase["cpu_busy"], digits=2)]))
+    notes.append(f"ok: {out['ok']} {out['checks']}")
+    return rows, notes
+
+
+def cli() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--cases", type=int, default=20_000)
+    parser.add_argument("--rate", type=float, default=500.0)
+    parser.add_argument("--paced-seconds", type=float, default=10.0)
+    parser.add_argument("--slots", type=int, default=32, help="dispatcher compute slots")
+    parser.add_argument("--backend-cases", type=int, default=1000, help="cases per backend-alone measurement")
+    parser.add_argument(
+        "--sustainable-rate",
+        type=float,
+        default=100.0,
+        help="a paced rate the dispatcher keeps up with, for comparison",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON line")
+    args = parser.parse_args()
+    quiet_logs()
+    out = asyncio.run(main(args))
+    rows, notes = table(out)
+    report(out, rows, notes, args.json)
+
+
+if __name__ == "__main__":
+    cli()
