@@ -41,6 +41,7 @@ if __package__ in (None, ""):  # run as `python bench/overlap.py`: make `bench.*
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import aiohttp
+import msgspec
 from bench._common import (
     AckPendingProbe,
     BatchWatch,
@@ -55,7 +56,6 @@ from bench._common import (
     report,
     resume,
     running,
-    set_consumer,
 )
 
 from evalbus.testing.platforms import PlatformServer, start_mlflow
@@ -225,7 +225,11 @@ async def one_run(
         batch_id,
         service_env={
             "dispatcher": {"DISPATCHER_SLOTS": str(params.slots)},
-            "judge": {"JUDGE_CONCURRENCY": str(params.judge_limit), "JUDGE_PLUGINS": "bench.plugins:register"},
+            "judge": {
+                "JUDGE_CONCURRENCY": str(params.judge_limit),
+                "JUDGE_GLOBAL_LIMIT": str(params.judge_limit),
+                "JUDGE_PLUGINS": "bench.plugins:register",
+            },
         },
     )
     experiment = await new_experiment(mlflow.url) if mlflow is not None and trace != "none" else None
@@ -242,11 +246,10 @@ async def one_run(
         nc = await connect(infra.nats_url, "bench-overlap")
         js = nc.jetstream()
         try:
-            # Every service re-applies the contract's consumers when it starts (judge-cases: 4), so
-            # the benchmark's judge limit is set once they are all up.
+            # The judge applies JUDGE_GLOBAL_LIMIT to its consumer when it starts.
             limit_at_start = await consumer_limit(js, JUDGE_CASES)
-            judge_cases = await set_consumer(js, JUDGE_CASES, max_ack_pending=params.judge_limit)
-            limit_in_run = await consumer_limit(js, JUDGE_CASES)
+            judge_cases = msgspec.structs.replace(JUDGE_CASES, max_ack_pending=limit_at_start)
+            limit_in_run = limit_at_start
             if barrier:
                 await pause(js, JUDGE_CASES)
             watch = await BatchWatch(nc, batch_id, decode=frozenset({"case.executed", "case.judged"})).start()

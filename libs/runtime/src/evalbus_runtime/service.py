@@ -22,7 +22,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from evalbus_contracts.streams import CONSUMERS, STREAMS
+from evalbus_contracts.streams import STREAMS
 from evalbus_runtime.bus import connect, ensure_consumer, ensure_topology
 from evalbus_runtime.consumer import ConsumerLoop, Stage
 from evalbus_runtime.logs import configure_logging
@@ -106,10 +106,11 @@ class Service:
         """Connect, create streams and consumers, start HTTP and the consumer loops."""
         self._nc = await connect(self.settings.nats_url, f"evalbus-{self.name}", on_reconnect=self._reconnected)
         self._js = self._nc.jetstream()
-        await ensure_topology(self._js, STREAMS, CONSUMERS)
+        # Streams are shared; consumers belong to the service that reads them, which applies its
+        # own settings (a global limit raised for one deployment is not reset by another service).
+        await ensure_topology(self._js, STREAMS, ())
         for stage in self._stages:
-            if stage.consumer not in CONSUMERS:
-                await ensure_consumer(self._js, stage.consumer)
+            await ensure_consumer(self._js, stage.consumer)
         self._publisher = Publisher(self._nc)
         await self._publisher.start()
         self._runner = web.AppRunner(self.app, access_log=None)

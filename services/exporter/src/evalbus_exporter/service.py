@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import msgspec
+
 from evalbus_contracts import CaseJudged
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import EXPORTER_CASES
@@ -19,6 +21,8 @@ class ExporterSettings(ServiceSettings):
 
     concurrency: int = 4
     """Cases exported at once by one replica (the global limit is the consumer's max_ack_pending)."""
+    global_limit: int = EXPORTER_CASES.max_ack_pending
+    """Cases exported at once across ALL replicas (the consumer's max_ack_pending): a sink's limit."""
     export_dir: str | None = None
     """Folder `jsonl` sink paths are resolved in (default: `<state dir>/exports`, else `./exports`)."""
 
@@ -48,5 +52,10 @@ def build_exporter(service: Service, settings: ExporterSettings, factory: SinkFa
     service.on_start(start)
     service.on_stop(stop)
     service.add_stage(
-        Stage(consumer=EXPORTER_CASES, handler=handle, accepts=(CaseJudged,), concurrency=settings.concurrency)
+        Stage(
+            consumer=msgspec.structs.replace(EXPORTER_CASES, max_ack_pending=settings.global_limit),
+            handler=handle,
+            accepts=(CaseJudged,),
+            concurrency=settings.concurrency,
+        )
     )

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 
+import msgspec
+
 from evalbus_contracts import CaseCollected, CaseExecuted, CaseObserved
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import JUDGE_CASES
@@ -24,6 +26,8 @@ class JudgeSettings(ServiceSettings):
     """Default OpenAI-compatible endpoint for model judges that name none."""
     model_api_key_secret: str | None = None
     """Secret name of the default endpoint's API key."""
+    global_limit: int = JUDGE_CASES.max_ack_pending
+    """Cases judged at once across ALL replicas (the consumer's max_ack_pending): a provider's limit."""
     plugins: str | None = None
     """Comma-separated `module:function` entries, each called with the registry at start to register
     custom judges by name (referenced from specs as `kind: registered`)."""
@@ -66,7 +70,7 @@ def build_judge(service: Service, settings: JudgeSettings, registry: JudgeRegist
     service.on_stop(stop)
     service.add_stage(
         Stage(
-            consumer=JUDGE_CASES,
+            consumer=msgspec.structs.replace(JUDGE_CASES, max_ack_pending=settings.global_limit),
             handler=handle,
             accepts=(CaseExecuted, CaseCollected, CaseObserved),
             concurrency=settings.concurrency,
