@@ -99,7 +99,7 @@ class BatchRequested(_Event, frozen=True, kw_only=True, tag="batch.requested"):
     (the dispatcher executes nothing for it)."""
 
     def subject(self) -> str:
-        return s.batch_subject(s.BATCH_REQUESTED, _req(self.batch_id))
+        return s.batch_subject(s.BATCH_REQUESTED, _req(self.batch_id, "batch id"))
 
 
 class BatchCancelled(_Event, frozen=True, kw_only=True, tag="batch.cancelled"):
@@ -113,7 +113,7 @@ class BatchCancelled(_Event, frozen=True, kw_only=True, tag="batch.cancelled"):
     """Batch that superseded this one."""
 
     def subject(self) -> str:
-        return s.batch_subject(s.BATCH_CANCELLED, _req(self.batch_id))
+        return s.batch_subject(s.BATCH_CANCELLED, _req(self.batch_id, "batch id"))
 
 
 class BatchFinalized(_Event, frozen=True, kw_only=True, tag="batch.finalized"):
@@ -129,7 +129,7 @@ class BatchFinalized(_Event, frozen=True, kw_only=True, tag="batch.finalized"):
     """Why it failed."""
 
     def subject(self) -> str:
-        return s.batch_subject(s.BATCH_FINALIZED, _req(self.batch_id))
+        return s.batch_subject(s.BATCH_FINALIZED, _req(self.batch_id, "batch id"))
 
 
 # ---------------------------------------------------------------- case events
@@ -139,7 +139,7 @@ class _CaseEvent(_Event, frozen=True, kw_only=True):
     STAGE: ClassVar[str] = ""
 
     def subject(self) -> str:
-        return s.case_subject(self.type, _req(self.batch_id), _req(self.case_id))
+        return s.case_subject(self.type, _req(self.batch_id, "batch id"), _req(self.case_id, "case id"))
 
 
 class CaseRequested(_CaseEvent, frozen=True, kw_only=True, tag="case.requested"):
@@ -249,7 +249,7 @@ class LiveLog(_Event, frozen=True, kw_only=True, tag="live.log"):
     """The chunk (event lines stripped)."""
 
     def subject(self) -> str:
-        return s.live_subject(_req(self.run_id), "log")
+        return s.live_subject(_req(self.run_id, "run id"), "log")
 
     def msg_id(self) -> str:
         return f"{self.type}:{self.run_id}:{self.attempt}:{self.stream}:{self.seq}"
@@ -264,7 +264,7 @@ class LiveTrace(_Event, frozen=True, kw_only=True, tag="live.trace"):
     """The events."""
 
     def subject(self) -> str:
-        return s.live_subject(_req(self.run_id), "trace")
+        return s.live_subject(_req(self.run_id, "run id"), "trace")
 
     def msg_id(self) -> str:
         return f"{self.type}:{self.run_id}:{self.attempt}:{self.seq}"
@@ -277,7 +277,7 @@ class InfraMark(_Event, frozen=True, kw_only=True, tag="live.infra"):
     """The mark, as it also appears in the sealed trace."""
 
     def subject(self) -> str:
-        return s.live_subject(_req(self.run_id), "infra")
+        return s.live_subject(_req(self.run_id, "run id"), "infra")
 
     def msg_id(self) -> str:
         return f"{self.type}:{self.run_id}:{self.attempt}:{self.mark.event}"
@@ -381,7 +381,7 @@ EventBase = _Event
 """Base class of every event (for typing)."""
 
 
-def _req(value: str | None) -> str:
-    if value is None:
-        raise ValueError("this event needs the id to build its subject")
+def _req(value: str | None, what: str) -> str:
+    if not value:
+        raise ValueError(f"this event needs a {what} to build its subject")
     return value

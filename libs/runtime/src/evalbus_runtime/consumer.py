@@ -288,6 +288,8 @@ class ConsumerLoop:
                 raise Poison(f"undecodable payload: {e}") from e
             if self._stage.accepts and not isinstance(event, self._stage.accepts):
                 raise Poison(f"unexpected event type {type(event).__name__} on {self._label}")
+            if isinstance(event, EventBase):
+                check_subject(event, delivery.subject)
             run_token = run_id_var.set(getattr(event, "run_id", None))
             batch_token = batch_id_var.set(getattr(event, "batch_id", None))
             try:
@@ -389,6 +391,17 @@ class ConsumerLoop:
             self._metrics.dead_letters.labels(self._label, "max_deliver").inc()
         except PublishFailedError:
             log.error("could not dead-letter exhausted seq %d", seq)
+
+
+def check_subject(event: EventBase, subject: str) -> None:
+    """Poison an event whose own subject contradicts the one it arrived on (a `case.judged` on a
+    `case.executed` subject, a batch event without its batch id): stages route on subjects."""
+    try:
+        expected = event.subject()
+    except ValueError as e:
+        raise Poison(f"{event.type} without the ids its subject needs: {e}") from e
+    if expected != subject:
+        raise Poison(f"{event.type} belongs on {expected}, arrived on {subject}")
 
 
 def _log_failure(task: asyncio.Future[None]) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 import aiohttp
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 
@@ -20,6 +21,7 @@ from evalbus_contracts import (
     BatchCancelled,
     BatchRequested,
     CaseRequested,
+    DecodeError,
     Infra,
     InfraMark,
     LiveLog,
@@ -30,12 +32,21 @@ from evalbus_contracts import (
 )
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import DISPATCHER_BATCHES, DISPATCHER_CASES
-from evalbus_dispatcher.backends.local import LocalBackend
+from evalbus_dispatcher.backends.local import LocalBackend, sweep_orphans
 from evalbus_dispatcher.cancellation import cancelled_execution
 from evalbus_dispatcher.execute import execute_case, run_id_of
 from evalbus_dispatcher.fanout import fan_out
 from evalbus_dispatcher.retry import next_attempt, should_retry
-from evalbus_runtime import Delivery, MissingSecretError, Publisher, SecretStore, Service, ServiceSettings, Stage
+from evalbus_runtime import (
+    Delivery,
+    MissingSecretError,
+    Poison,
+    Publisher,
+    SecretStore,
+    Service,
+    ServiceSettings,
+    Stage,
+)
 from evalbus_traces import build_source, collect_trace
 from evalbus_traces.errors import TraceUnavailableError
 
@@ -113,6 +124,7 @@ class Cancellations:
 
     def __init__(self) -> None:
         self._reasons: dict[str, CancelReason] = {}
+        self._read = 0
 
     def reason(self, batch_id: str | None) -> CancelReason | None:
         return None if batch_id is None else self._reasons.get(batch_id)
@@ -120,8 +132,13 @@ class Cancellations:
     async def start(self, js: JetStreamContext) -> None:
         """Follow cancellations; return once every cancellation already stored has been read."""
 
-        async def on_msg(msg: object) -> None:
-            event = decode_event(msg.data)  # type: ignore[attr-defined]
+        async def on_msg(msg: Msg) -> None:
+            self._read += 1  # one per subject, readable or not
+            try:
+                event = decode_event(msg.data)
+            except DecodeError:
+                log.warning("unreadable cancellation on %s ignored", msg.subject)
+                return
             if isinstance(event, BatchCancelled) and event.batch_id:
                 self._reasons[event.batch_id] = event.reason
 
@@ -131,10 +148,10 @@ class Cancellations:
             "batch.cancelled.>", cb=on_msg, ordered_consumer=True, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT
         )
         for _ in range(500):
-            if len(self._reasons) >= known:
+            if self._read >= known:
                 return
             await asyncio.sleep(0.01)
-        log.warning("read %d of %d cancellations at start", len(self._reasons), known)
+        log.warning("read %d of %d cancellations at start", self._read, known)
 
 
 def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
@@ -149,6 +166,9 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
     cancels = Cancellations()
 
     async def start(svc: Service) -> None:
+        swept = await asyncio.to_thread(sweep_orphans, backend.root)
+        if swept:
+            log.warning("removed %d sandboxes left by a dispatcher that died", len(swept))
         await puller.start()
         await cancels.start(svc.js)
 
@@ -158,9 +178,16 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
     async def on_batch(event: BatchRequested, _: Delivery) -> Sequence[EventBase]:
         if event.rejudge_of is not None:
             return []  # a re-judge replays executed cases; nothing runs again
-        return fan_out(event)
+        try:
+            return fan_out(event)
+        except ValueError as e:
+            raise Poison(f"batch.requested cannot be fanned out: {e}") from e
 
     async def on_case(req: CaseRequested, delivery: Delivery) -> Sequence[EventBase]:
+        try:
+            run_id_of(req)
+        except ValueError as e:
+            raise Poison(f"case.requested without a run: {e}") from e
         reason = cancels.reason(req.batch_id)
         if reason is not None:
             return [cancelled_execution(req, reason)]

@@ -13,6 +13,7 @@ trials and pass@k the fraction of cases with at least one passing trial.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Literal
@@ -96,11 +97,11 @@ class RunOutcome(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _MetricAcc:
-    __slots__ = ("count", "passed", "total", "unmeasured", "with_pass")
+    __slots__ = ("count", "passed", "unmeasured", "values", "with_pass")
 
     def __init__(self) -> None:
         self.count = 0
-        self.total = 0.0
+        self.values: list[float] = []
         self.with_pass = 0
         self.passed = 0
         self.unmeasured: dict[str, int] = defaultdict(int)
@@ -108,7 +109,7 @@ class _MetricAcc:
     def add(self, score: Score) -> None:
         if isinstance(score, Measured):
             self.count += 1
-            self.total += score.value
+            self.values.append(score.value)
             if score.passed is not None:
                 self.with_pass += 1
                 self.passed += int(score.passed)
@@ -121,7 +122,8 @@ class _MetricAcc:
         return MetricSummary(
             metric=metric,
             count=self.count,
-            mean=self.total / self.count if self.count else None,
+            # fsum is exact, so the mean does not depend on the order cases finished in
+            mean=math.fsum(self.values) / self.count if self.count else None,
             pass_rate=self.passed / self.with_pass if self.with_pass else None,
             unmeasured=dict(sorted(self.unmeasured.items())),
         )

@@ -33,6 +33,7 @@ from evalbus_contracts.streams import GATEWAY_RECORDER
 from evalbus_gateway.finalize import Finalizer, Resources
 from evalbus_gateway.store import RecordedMessage, RecordOutcome, record
 from evalbus_runtime import Delivery, Retry, Stage
+from evalbus_runtime.consumer import check_subject
 
 if TYPE_CHECKING:
     from evalbus_gateway.store.connections import Database
@@ -236,6 +237,7 @@ class RecorderStage:
     async def handle(self, payload: RecordedPayload, delivery: Delivery) -> None:
         """Record one message; return (ack) once it is committed and its batch, if now complete,
         has its `batch.finalized` published."""
+        check_subject(payload.event, delivery.subject)
         message = RecordedMessage(delivery.stream_seq, delivery.subject, payload.data, payload.event)
         outcome = await self.batcher.submit(message)
         batch_id = payload.event.batch_id

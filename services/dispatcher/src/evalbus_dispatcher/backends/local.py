@@ -191,6 +191,62 @@ async def _feed(writer: asyncio.StreamWriter, data: bytes) -> None:
         await writer.wait_closed()
 
 
+OWNER_FILE = "owner"
+"""File in each case root naming the dispatcher process that made it (`<pid> <start time>`)."""
+
+
+def _start_time(pid: int) -> str | None:
+    """The kernel's start time of `pid` (field 22 of /proc/<pid>/stat), or None when it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw.rsplit(")", 1)[1].split()[19]
+
+
+def _owner_mark(pid: int) -> str:
+    return f"{pid} {_start_time(pid)}"
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Ask the kernel to SIGKILL the harness if the dispatcher dies (Linux `PR_SET_PDEATHSIG`)."""
+    if platform.system() == "Linux":
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
+def sweep_orphans(root: Path | None = None) -> list[Path]:
+    """Remove sandboxes left by a dispatcher that died (SIGKILL, machine crash): every case root
+    under `root` whose owner process is gone has its processes killed (found by their working
+    directory) and its folder removed. Sandboxes of live dispatchers are left alone."""
+    base = Path(root or tempfile.gettempdir())
+    swept: list[Path] = []
+    for case_root in base.glob("evalbus-*"):
+        owner = case_root / OWNER_FILE
+        try:
+            pid_text, start = owner.read_text().split()
+        except (OSError, ValueError):
+            continue
+        if _start_time(int(pid_text)) == start:
+            continue  # its dispatcher is alive
+        _kill_processes_under(case_root.resolve())
+        shutil.rmtree(case_root, ignore_errors=True)
+        swept.append(case_root)
+    return swept
+
+
+def _kill_processes_under(folder: Path) -> None:
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cwd = Path(os.readlink(proc / "cwd"))
+        except OSError:
+            continue
+        if cwd == folder or folder in cwd.parents:
+            with contextlib.suppress(OSError):
+                os.killpg(os.getpgid(int(proc.name)), signal.SIGKILL)
+
+
 class _ExitAwareProtocol(asyncio.subprocess.SubprocessStreamProtocol):
     """asyncio's stream protocol, plus an event set when the process itself exits.
 
@@ -233,6 +289,7 @@ async def _run_process(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         start_new_session=True,
+        preexec_fn=_die_with_parent,
     )
     pgid = transport.get_pid()  # the new session's process group id is the leader's pid
     groups.add(pgid)
@@ -307,6 +364,11 @@ class LocalBackend:
         self._used = 0
         self._node = platform.node() or None
 
+    @property
+    def root(self) -> Path | None:
+        """Folder case workdirs are made in (None: the system temp folder)."""
+        return self._root
+
     def capacity(self) -> Capacity:
         """Slots configured and held by unreleased sandboxes."""
         return Capacity(total=self._slots, used=self._used)
@@ -331,17 +393,29 @@ class LocalBackend:
         except OSError as e:
             raise BackendError(f"cannot create a workdir: {e}", code="workdir_failed") from e
         try:
+            (case_root / OWNER_FILE).write_text(_owner_mark(os.getpid()))
             workdir = case_root / "work"
             workdir.mkdir()
             input_file = case_root / "input.txt"
             input_file.write_text(job.case.input, encoding="utf-8")
+        except OSError as e:
+            shutil.rmtree(case_root, ignore_errors=True)
+            raise BackendError(f"cannot prepare the workdir: {e}", code="workdir_failed") from e
+        try:
             for rel, content in files:
                 target = workdir / rel
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_text(content, encoding="utf-8")
+        except (FileExistsError, NotADirectoryError, IsADirectoryError) as e:
+            # The spec's files cannot be laid out (a file where a folder must be): running again
+            # cannot help, so it is a configuration failure.
+            shutil.rmtree(case_root, ignore_errors=True)
+            raise BackendError(
+                f"harness files conflict: {e}", code="files_conflict", failure_class="config", retryable=False
+            ) from e
         except OSError as e:
             shutil.rmtree(case_root, ignore_errors=True)
-            raise BackendError(f"cannot prepare the workdir: {e}", code="workdir_failed") from e
+            raise BackendError(f"cannot write the harness files: {e}", code="workdir_failed") from e
         self._used += 1
         env = run_environment(job, base=self._base_env, input_file=input_file)
         return LocalSandbox(

@@ -55,7 +55,7 @@ async def finalize_batch(db: Database, batch_id: str) -> BatchFinalized:
         if batch is None or batch["spec"] is None:
             raise BatchNotFoundError(batch_id)
         rows = await conn.fetch(
-            "SELECT * FROM runs WHERE batch_id = $1 ORDER BY exported_at NULLS LAST, run_id", batch_id
+            "SELECT * FROM runs WHERE batch_id = $1 ORDER BY run_id", batch_id
         )
     spec = decode(str(batch["spec"]), BatchSpec)
     objective = {case.id: objective_metrics_of(case.graders) for case in spec.suite.cases}

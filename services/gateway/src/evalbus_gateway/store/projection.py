@@ -5,14 +5,17 @@ fold is written so the result does not depend on how events are chunked or on th
 different event types: stage columns are first-write-wins, counters add, and a run's result
 columns (scores, failure, answer, verdict) come from the furthest stage recorded (executed <
 collected < judged), whatever the order in which those events arrive. A chunk's run changes are
-merged per run in Python and written with one `unnest` upsert; batch changes with one pipelined
-`executemany` per kind.
+merged per run in Python and written with one `unnest` upsert (which also marks the runs the
+recorder sealed in the same transaction); batch changes with one pipelined `executemany` per kind.
+
+`Fold` (pure) and `apply_fold` (I/O) are separate so the recorder can fold while PostgreSQL is
+busy with its inserts; `project` does both.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -159,6 +162,7 @@ _RUN_COLUMNS: tuple[tuple[str, str], ...] = (
     ("verdict", "text"),
     ("verdict_rung", "text"),
     ("sandbox_seconds", "float8"),
+    ("sealed", "bool"),
 )
 _FIRST_WINS = (
     "batch_id", "trial", "harness", "requested_status", "requested_at", "executed_status", "executed_at",
@@ -176,6 +180,7 @@ def _run_upsert_sql() -> str:
     sets += [
         "attempt = GREATEST(r.attempt, EXCLUDED.attempt)",
         "result_rank = GREATEST(r.result_rank, EXCLUDED.result_rank)",
+        "sealed = r.sealed OR EXCLUDED.sealed",
     ]
     sets += [f"{c} = CASE WHEN EXCLUDED.result_rank > r.result_rank THEN EXCLUDED.{c} ELSE r.{c} END" for c in _RESULT]
     return (
@@ -219,6 +224,7 @@ class _RunPatch:
     verdict: str | None = None
     verdict_rung: str | None = None
     sandbox_seconds: float | None = None
+    sealed: bool = False
 
     def merge(self, later: _RunPatch) -> None:
         """Fold a patch of a later event into this one (same rules as the SQL upsert)."""
@@ -227,6 +233,7 @@ class _RunPatch:
                 setattr(self, name, getattr(later, name))
         self.case_id = self.case_id or later.case_id
         self.attempt = max(self.attempt, later.attempt)
+        self.sealed = self.sealed or later.sealed
         if later.result_rank > self.result_rank:
             self.result_rank = later.result_rank
             for name in _RESULT:
@@ -275,24 +282,26 @@ def _run_patch(
     return patch
 
 
-@dataclass(slots=True)
-class _Fold:
-    requested: list[tuple[Any, ...]]
-    counts: dict[str, _Counts]
-    runs: dict[str, _RunPatch]
-    cancelled: list[tuple[Any, ...]]
-    finalized: list[tuple[Any, ...]]
+class Fold:
+    """What a chunk of events changes in `batches` and `runs`, merged in Python (pure)."""
 
+    __slots__ = ("cancelled", "counts", "finalized", "requested", "runs")
 
-def _fold(events: Iterable[Event]) -> _Fold:
-    fold = _Fold(requested=[], counts=defaultdict(_Counts), runs={}, cancelled=[], finalized=[])
-    for event in events:
+    def __init__(self) -> None:
+        self.requested: list[tuple[Any, ...]] = []
+        self.counts: defaultdict[str, _Counts] = defaultdict(_Counts)
+        self.runs: dict[str, _RunPatch] = {}
+        self.cancelled: list[tuple[Any, ...]] = []
+        self.finalized: list[tuple[Any, ...]] = []
+
+    def add(self, event: Event) -> None:
+        """Fold in the next event (events are added in sequence order)."""
         batch_id = event.batch_id
         if isinstance(event, BatchRequested):
             if batch_id is None:
-                continue
+                return
             spec = event.spec
-            fold.requested.append(
+            self.requested.append(
                 (
                     batch_id,
                     spec.suite.id,
@@ -306,10 +315,10 @@ def _fold(events: Iterable[Event]) -> _Fold:
             )
         elif isinstance(event, BatchCancelled):
             if batch_id is not None:
-                fold.cancelled.append((batch_id, event.reason, event.by, event.superseded_by))
+                self.cancelled.append((batch_id, event.reason, event.by, event.superseded_by))
         elif isinstance(event, BatchFinalized):
             if batch_id is not None:
-                fold.finalized.append(
+                self.finalized.append(
                     (
                         batch_id,
                         event.status,
@@ -322,42 +331,65 @@ def _fold(events: Iterable[Event]) -> _Fold:
         elif isinstance(event, CaseRequested | CaseExecuted | CaseCollected | CaseJudged | CaseExported):
             run_id = run_id_of(event)
             if run_id is None:
-                continue
+                return
             patch = _run_patch(event, run_id)
-            if run_id in fold.runs:
-                fold.runs[run_id].merge(patch)
+            if run_id in self.runs:
+                self.runs[run_id].merge(patch)
             else:
-                fold.runs[run_id] = patch
-            if batch_id is None:
-                continue
-            counts = fold.counts[batch_id]
-            if isinstance(event, CaseRequested):
-                counts.requested += 1
-            elif isinstance(event, CaseExecuted):
-                counts.executed += 1
-                counts.failed += event.status == "failed"
-                counts.cancelled += event.status == "cancelled"
-            elif isinstance(event, CaseCollected):
-                counts.collected += 1
-            elif isinstance(event, CaseJudged):
-                counts.judged += 1
-                counts.judge_errors += event.judge_error is not None
-            else:
-                counts.exported += 1
-    return fold
+                self.runs[run_id] = patch
+            if batch_id is not None:
+                self._count(self.counts[batch_id], event)
+
+    @staticmethod
+    def _count(
+        counts: _Counts, event: CaseRequested | CaseExecuted | CaseCollected | CaseJudged | CaseExported
+    ) -> None:
+        if isinstance(event, CaseRequested):
+            counts.requested += 1
+        elif isinstance(event, CaseExecuted):
+            counts.executed += 1
+            counts.failed += event.status == "failed"
+            counts.cancelled += event.status == "cancelled"
+        elif isinstance(event, CaseCollected):
+            counts.collected += 1
+        elif isinstance(event, CaseJudged):
+            counts.judged += 1
+            counts.judge_errors += event.judge_error is not None
+        else:
+            counts.exported += 1
 
 
-async def project(conn: Connection, events: Sequence[Event]) -> None:
-    """Apply `events` (newly stored, in sequence order) to `batches` and `runs`."""
-    fold = _fold(events)
-    if fold.requested:
-        await conn.executemany(_BATCH_REQUESTED, fold.requested)
-    if fold.counts:
-        await conn.executemany(_BATCH_COUNTS, [c.row(b) for b, c in sorted(fold.counts.items())])
-    if fold.runs:
-        rows = [fold.runs[run_id].values() for run_id in sorted(fold.runs)]
+def fold(events: Iterable[Event]) -> Fold:
+    """The fold of `events` (in sequence order)."""
+    folded = Fold()
+    for event in events:
+        folded.add(event)
+    return folded
+
+
+async def apply_fold(conn: Connection, folded: Fold, *, sealed_runs: Collection[str] = ()) -> None:
+    """Write a fold to `batches` and `runs`, and mark the runs of `sealed_runs` sealed."""
+    if folded.requested:
+        await conn.executemany(_BATCH_REQUESTED, folded.requested)
+    if folded.counts:
+        await conn.executemany(_BATCH_COUNTS, [c.row(b) for b, c in sorted(folded.counts.items())])
+    unfolded: list[str] = []
+    for run_id in sealed_runs:
+        if run_id in folded.runs:
+            folded.runs[run_id].sealed = True
+        else:  # all its stages stored but unsealed (by an older recorder): settled by any later event of it
+            unfolded.append(run_id)
+    if folded.runs:
+        rows = [folded.runs[run_id].values() for run_id in sorted(folded.runs)]
         await conn.execute(_RUN_UPSERT, *[list(column) for column in zip(*rows, strict=True)])
-    if fold.cancelled:
-        await conn.executemany(_BATCH_CANCELLED, fold.cancelled)
-    if fold.finalized:
-        await conn.executemany(_BATCH_FINALIZED, fold.finalized)
+    if unfolded:
+        await conn.execute("UPDATE runs SET sealed = true WHERE run_id = ANY($1::text[])", sorted(unfolded))
+    if folded.cancelled:
+        await conn.executemany(_BATCH_CANCELLED, folded.cancelled)
+    if folded.finalized:
+        await conn.executemany(_BATCH_FINALIZED, folded.finalized)
+
+
+async def project(conn: Connection, events: Iterable[Event]) -> None:
+    """Apply `events` (newly stored, in sequence order) to `batches` and `runs`."""
+    await apply_fold(conn, fold(events))
