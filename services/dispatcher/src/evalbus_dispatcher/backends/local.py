@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import platform
@@ -208,12 +209,29 @@ def _owner_mark(pid: int) -> str:
     return f"{pid} {_start_time(pid)}"
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Ask the kernel to SIGKILL the harness if the dispatcher dies (Linux `PR_SET_PDEATHSIG`)."""
-    if platform.system() == "Linux":
-        import ctypes
+_SETPRIV = shutil.which("setpriv")
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+def _die_with_parent(argv: tuple[str, ...], cwd: Path, env: Mapping[str, str]) -> tuple[str, ...]:
+    """argv wrapped so the kernel SIGKILLs the leader if the dispatcher dies (`PR_SET_PDEATHSIG`
+    through util-linux `setpriv`; a `preexec_fn` would make every spawn a slow full fork). The
+    program is resolved first, so a missing one still fails to spawn (not as setpriv's exit 127)."""
+    if _SETPRIV is None or platform.system() != "Linux":
+        return argv
+    program = argv[0]
+    if "/" in program:
+        path = Path(program) if Path(program).is_absolute() else cwd / program
+        if not path.is_file():
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
+        if not os.access(path, os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), program)
+        resolved = str(path)
+    else:
+        found = shutil.which(program, path=env.get("PATH", os.defpath))
+        if found is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
+        resolved = found
+    return (_SETPRIV, "--pdeathsig", "KILL", "--", resolved, *argv[1:])
 
 
 def sweep_orphans(root: Path | None = None) -> list[Path]:
@@ -282,14 +300,13 @@ async def _run_process(
     started = time.monotonic()
     transport, protocol = await loop.subprocess_exec(
         lambda: _ExitAwareProtocol(loop),
-        *argv,
+        *_die_with_parent(argv, cwd, env),
         cwd=cwd,
         env=dict(env),
         stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         start_new_session=True,
-        preexec_fn=_die_with_parent,
     )
     pgid = transport.get_pid()  # the new session's process group id is the leader's pid
     groups.add(pgid)
