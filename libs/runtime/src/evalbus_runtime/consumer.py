@@ -120,6 +120,15 @@ class ConsumerLoop:
         self._stage = stage
         self._service = service
         self._metrics = metrics
+        # Labelled metric children are looked up once, not per message.
+        self._slots_gauge = metrics.slots_free.labels(stage.consumer.durable)
+        self._in_flight_gauge = metrics.in_flight.labels(stage.consumer.durable)
+        self._handle_hist = metrics.handle_seconds.labels(stage.consumer.durable)
+        self._outcomes = {
+            o: metrics.messages.labels(stage.consumer.durable, o)
+            for o in ("ack", "ignored", "retry", "poison", "cancelled")
+        }
+        self._published: dict[str, Any] = {}
         self._consumer = stage.consumer
         self._label = stage.consumer.durable
         self._free = stage.concurrency
@@ -136,7 +145,7 @@ class ConsumerLoop:
         self._stopping = False
         self._idle = asyncio.Event()
         self._idle.set()
-        self._metrics.slots_free.labels(self._label).set(self._free)
+        self._slots_gauge.set(self._free)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -232,7 +241,7 @@ class ConsumerLoop:
                 await msg.nak()
             return
         self._free -= 1
-        self._metrics.slots_free.labels(self._label).set(self._free)
+        self._slots_gauge.set(self._free)
         self._idle.clear()
         task = asyncio.create_task(self._handle(msg))
         self._tasks.add(task)
@@ -245,7 +254,7 @@ class ConsumerLoop:
 
     def _release(self) -> None:
         self._free += 1
-        self._metrics.slots_free.labels(self._label).set(self._free)
+        self._slots_gauge.set(self._free)
         self._schedule_refill()
 
     async def _tick(self) -> None:
@@ -269,7 +278,7 @@ class ConsumerLoop:
     async def _handle(self, msg: Msg) -> None:
         started = time.monotonic()
         self._beat[id(msg)] = (msg, started)
-        self._metrics.in_flight.labels(self._label).inc()
+        self._in_flight_gauge.inc()
         meta = msg.metadata
         headers = msg.headers or {}
         delivery = Delivery(
@@ -298,7 +307,10 @@ class ConsumerLoop:
                     if outputs:
                         await self._pub.publish_events(outputs)
                         for out in outputs:
-                            self._metrics.published.labels(out.type).inc()
+                            counter = self._published.get(out.type)
+                            if counter is None:
+                                counter = self._published[out.type] = self._metrics.published.labels(out.type)
+                            counter.inc()
             finally:
                 run_id_var.reset(run_token)
                 batch_id_var.reset(batch_token)
@@ -327,9 +339,9 @@ class ConsumerLoop:
                     await msg.nak(delay=delay)
         finally:
             self._beat.pop(id(msg), None)
-            self._metrics.in_flight.labels(self._label).dec()
-            self._metrics.messages.labels(self._label, outcome).inc()
-            self._metrics.handle_seconds.labels(self._label).observe(time.monotonic() - started)
+            self._in_flight_gauge.dec()
+            self._outcomes[outcome].inc()
+            self._handle_hist.observe(time.monotonic() - started)
             delivery.release_slot()
 
     def _backoff(self, delivery: Delivery) -> float:

@@ -34,11 +34,11 @@ a seal waits for every stage of the run, replicas may record out of stream order
 the recorder looks up which sequences and keys are taken before it inserts, so it knows every
 outcome without `ON CONFLICT` (a conflict would fail the transaction, which is then retried).
 
-Cost, per event (a 1,000-message transaction, PostgreSQL 15 on two cores): most of the server's
-time goes to parsing and compressing the jsonb body, most of Python's to the body digest. Python's
-work (digests, the read-model fold) is done while the server executes the lookups and inserts
-(`store.overlap`); the lookups go by index only (`_LOCK`), so a transaction costs the same in a
-store of millions of events.
+Cost (1,000-message transactions, PostgreSQL 15 on two cores): most of the server's time goes to
+parsing and compressing the jsonb bodies, most of Python's to the body digests. Python's work
+(digests, the read-model fold) is done while the server executes the lookups and inserts
+(`store.overlap`), and the lookups go by index only (`_LOCK`), so the cost of a transaction does
+not grow with the store.
 
 String bodies containing the escape `\\u0000` (which jsonb rejects) are stored with U+FFFD in its
 place; the event is decoded again from the stored text so the read models match a rebuild.
@@ -178,7 +178,8 @@ _LOCK = "SELECT pg_advisory_xact_lock($1), set_config('enable_seqscan', 'off', t
 """Serialise with other recorders; and look rows up by index only. Every read of the recorder is a
 lookup by a bounded list of keys, but the planner, with statistics gathered when the store was
 smaller (or a generic plan cached by a long-lived connection when it was empty), may prefer a
-sequential scan whose cost grows with the whole store."""
+sequential scan whose cost grows with the whole store. The setting lasts until the transaction
+ends: the recorder's own, or the caller's when `record` is given a connection inside one."""
 
 _EXISTING = """
 SELECT stream_seq, NULL::text AS dedupe_key FROM events WHERE stream_seq = ANY($1::bigint[])
