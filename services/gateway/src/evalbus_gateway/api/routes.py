@@ -205,7 +205,11 @@ async def get_batch_route(call: Call) -> web.StreamResponse:
         if found is not None:
             final = found[1]
             view = msgspec.structs.replace(
-                view, status=final.status, summary=final.summary, export=final.export, error=final.error,
+                view,
+                status=final.status,
+                summary=final.summary,
+                export=final.export,
+                error=final.error,
                 finalized_at=final.ts,
             )
     return json_response(view)

@@ -54,9 +54,7 @@ async def finalize_batch(db: Database, batch_id: str) -> BatchFinalized:
         )
         if batch is None or batch["spec"] is None:
             raise BatchNotFoundError(batch_id)
-        rows = await conn.fetch(
-            "SELECT * FROM runs WHERE batch_id = $1 ORDER BY run_id", batch_id
-        )
+        rows = await conn.fetch("SELECT * FROM runs WHERE batch_id = $1 ORDER BY run_id", batch_id)
     spec = decode(str(batch["spec"]), BatchSpec)
     objective = {case.id: objective_metrics_of(case.graders) for case in spec.suite.cases}
     runs = [run_outcome(r, objective) for r in rows]
