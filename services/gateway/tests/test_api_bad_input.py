@@ -232,6 +232,15 @@ CASES: list[Bad] = [
         json=spec(**{"policy.concurrency": -1}),
     ),
     Bad(
+        "per-batch concurrency (not built yet: refused, not ignored)",
+        "POST",
+        "/v1/batches",
+        400,
+        "invalid",
+        "$.policy.concurrency",
+        json=spec(**{"policy.concurrency": 2}),
+    ),
+    Bad(
         "command grader regex",
         "POST",
         "/v1/batches",

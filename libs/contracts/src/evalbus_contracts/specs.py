@@ -346,7 +346,8 @@ class BatchPolicy(_Spec, frozen=True, kw_only=True):
     """How a batch runs."""
 
     concurrency: int = 0
-    """Max sandboxes for this batch across replicas (0: no batch limit beyond compute slots)."""
+    """Reserved for a per-batch sandbox limit across replicas; only 0 (bounded by the dispatchers'
+    compute slots) is accepted today."""
     trials: int = 1
     """Runs per case (pass@k when > 1)."""
     retries: int = 1

@@ -145,6 +145,10 @@ def batch_spec_problems(spec: BatchSpec) -> list[SpecProblem]:
         out.append(SpecProblem("$.policy.retries", f"must be between 0 and {MAX_RETRIES}"))
     if policy.concurrency < 0:
         out.append(SpecProblem("$.policy.concurrency", "must be 0 (no batch limit) or more"))
+    elif policy.concurrency > 0:
+        # Refused rather than silently ignored: sandboxes are bounded by the dispatchers' compute
+        # slots; a per-batch limit across replicas is not built yet.
+        out.append(SpecProblem("$.policy.concurrency", "a per-batch sandbox limit is not supported yet: use 0"))
     if spec.supersede_key is not None:
         out.append(_id_problem(spec.supersede_key, "$.supersede_key", "supersede key"))
     return [p for p in out if p is not None]
