@@ -50,6 +50,9 @@ from evalbus_judge import (
 )
 from evalbus_runtime.secrets import SecretStore
 
+OPEN = ModelDefaults(allowed_base_urls=("*",))
+"""Tests send named secrets to their own local server."""
+
 pytestmark = pytest.mark.integration
 
 API_KEY = "sk-test-4f1c9e0b7d2a6c3e8b5f"
@@ -241,7 +244,7 @@ def spec(base_url: str | None, **kw: Any) -> ModelJudge:
 
 
 async def run(chat: ChatClient, judge_spec: ModelJudge, ctx: JudgeContext | None = None) -> Score:
-    registry = JudgeRegistry(chat=chat, secrets=SECRETS)
+    registry = JudgeRegistry(chat=chat, model_defaults=OPEN, secrets=SECRETS)
     (entry,) = registry.resolve([judge_spec]).judges
     assert isinstance(entry.judge, ChatModelJudge)
     return await entry.judge.judge(ctx or context())
@@ -445,7 +448,7 @@ async def test_connection_refused_is_retryable_grader_error(chat: ChatClient) ->
 
 async def test_wrong_key_is_rejected_by_the_server(server: ChatCompletionsServer, chat: ChatClient) -> None:
     wrong = SecretStore(environ={"EVALBUS_SECRET_JUDGE_KEY": "sk-wrong"})
-    (entry,) = JudgeRegistry(chat=chat, secrets=wrong).resolve([spec(f"{server.root}/v1")]).judges
+    (entry,) = JudgeRegistry(chat=chat, model_defaults=OPEN, secrets=wrong).resolve([spec(f"{server.root}/v1")]).judges
     score = await entry.judge.judge(context())
     assert isinstance(score, Unmeasured)
     assert "HTTP 401" in (score.detail or "")
@@ -460,7 +463,7 @@ async def test_missing_secret_makes_no_call(server: ChatCompletionsServer, chat:
 
 async def test_secret_removed_after_resolution_makes_no_call(server: ChatCompletionsServer, chat: ChatClient) -> None:
     environ = {"EVALBUS_SECRET_JUDGE_KEY": API_KEY}
-    registry = JudgeRegistry(chat=chat, secrets=SecretStore(environ=environ))
+    registry = JudgeRegistry(chat=chat, model_defaults=OPEN, secrets=SecretStore(environ=environ))
     (entry,) = registry.resolve([spec(f"{server.root}/v1")], batch_id="b-rotate").judges
     del environ["EVALBUS_SECRET_JUDGE_KEY"]
     score = await entry.judge.judge(context())
@@ -471,7 +474,9 @@ async def test_secret_removed_after_resolution_makes_no_call(server: ChatComplet
 
 async def test_secret_from_secrets_dir(server: ChatCompletionsServer, chat: ChatClient, tmp_path: Any) -> None:
     (tmp_path / "judge-key").write_text(API_KEY + "\n")
-    registry = JudgeRegistry(chat=chat, secrets=SecretStore(environ={"EVALBUS_SECRETS_DIR": str(tmp_path)}))
+    registry = JudgeRegistry(
+        chat=chat, model_defaults=OPEN, secrets=SecretStore(environ={"EVALBUS_SECRETS_DIR": str(tmp_path)})
+    )
     (entry,) = registry.resolve([spec(f"{server.root}/v1")]).judges
     assert isinstance(await entry.judge.judge(context()), Measured)
     assert server.requests[0].headers["Authorization"] == f"Bearer {API_KEY}"
@@ -537,7 +542,7 @@ async def test_the_key_never_appears_in_scores_or_events(server: ChatCompletions
         plan=CasePlan(judges=judges),
         case=CaseSpec(id="c1", input="What is the capital of France?", expected="Paris"),
     )
-    judged = await judge_event(event, JudgeRegistry(chat=chat, secrets=SECRETS))
+    judged = await judge_event(event, JudgeRegistry(chat=chat, model_defaults=OPEN, secrets=SECRETS))
     assert judged is not None
     statuses = [type(s).__name__ for s in judged.result.scores]
     assert statuses == ["Unmeasured", "Unmeasured", "Measured", "Invalid"]
@@ -547,5 +552,5 @@ async def test_the_key_never_appears_in_scores_or_events(server: ChatCompletions
 
 
 async def run_registry(chat: ChatClient, judge_spec: ModelJudge) -> Score:
-    (entry,) = JudgeRegistry(chat=chat, secrets=SECRETS).resolve([judge_spec]).judges
+    (entry,) = JudgeRegistry(chat=chat, model_defaults=OPEN, secrets=SECRETS).resolve([judge_spec]).judges
     return await entry.judge.judge(context())

@@ -161,9 +161,18 @@ def model_spec(base_url: str | None = None, api_key_secret: str | None = None) -
         (JudgeRegistry(chat=ChatClient()), model_spec(), "unsupported"),  # no base URL anywhere
         (JudgeRegistry(), model_spec(base_url="http://127.0.0.1:9/v1"), "unsupported"),  # no client
         (
-            JudgeRegistry(chat=ChatClient(), secrets=SecretStore(environ={})),
+            JudgeRegistry(
+                chat=ChatClient(),
+                secrets=SecretStore(environ={}),
+                model_defaults=ModelDefaults(allowed_base_urls=("http://127.0.0.1:9/v1",)),
+            ),
             model_spec(base_url="http://127.0.0.1:9/v1", api_key_secret="openai"),
             "missing_secret",
+        ),
+        (  # a secret never goes to a URL the batch chose unless the service allows that URL
+            JudgeRegistry(chat=ChatClient(), secrets=SecretStore(environ={"EVALBUS_SECRET_OPENAI": "sk-x"})),
+            model_spec(base_url="http://attacker.invalid/v1", api_key_secret="openai"),
+            "policy_skip",
         ),
         (
             JudgeRegistry(

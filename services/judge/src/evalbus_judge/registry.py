@@ -47,6 +47,9 @@ class ModelDefaults:
     """Default chat-completions base URL (…/v1)."""
     api_key_secret: str | None = None
     """Secret *name* of the API key for `base_url`; sent only to that URL, never to one a spec names."""
+    allowed_base_urls: tuple[str, ...] = ()
+    """Other base URLs a spec may send a named secret to (`*`: any). A secret goes nowhere else, so a
+    batch cannot ship a key it names to an endpoint of its own choosing."""
 
 
 class UnavailableJudge:
@@ -189,6 +192,13 @@ class JudgeRegistry:
         if secret_name is None and base_url == self.model_defaults.base_url:
             # The service's own key goes only to the service's own endpoint, never to a URL a batch chose.
             secret_name = self.model_defaults.api_key_secret
+        trusted = {u.rstrip("/") for u in (self.model_defaults.base_url, *self.model_defaults.allowed_base_urls) if u}
+        if secret_name is not None and "*" not in trusted and base_url.rstrip("/") not in trusted:
+            return UnavailableJudge(
+                spec.id,
+                "policy_skip",
+                f"base URL {base_url} may not receive secrets (add it to JUDGE_ALLOWED_BASE_URLS)",
+            )
         if secret_name is not None and self.secrets.get(secret_name) is None:
             return UnavailableJudge(spec.id, "missing_secret", f"secret {secret_name!r} is not set")
         return ChatModelJudge(spec, chat=self.chat, base_url=base_url, api_key_secret=secret_name, secrets=self.secrets)

@@ -26,6 +26,8 @@ class JudgeSettings(ServiceSettings):
     """Default OpenAI-compatible endpoint for model judges that name none."""
     model_api_key_secret: str | None = None
     """Secret name of the default endpoint's API key."""
+    allowed_base_urls: str | None = None
+    """Comma-separated base URLs, besides the default, that model judges may send a named secret to."""
     global_limit: int = JUDGE_CASES.max_ack_pending
     """Cases judged at once across ALL replicas (the consumer's max_ack_pending): a provider's limit."""
     plugins: str | None = None
@@ -48,7 +50,11 @@ def build_judge(service: Service, settings: JudgeSettings, registry: JudgeRegist
     chat = ChatClient()
     reg = registry or JudgeRegistry(
         chat=chat,
-        model_defaults=ModelDefaults(base_url=settings.model_base_url, api_key_secret=settings.model_api_key_secret),
+        model_defaults=ModelDefaults(
+            base_url=settings.model_base_url,
+            api_key_secret=settings.model_api_key_secret,
+            allowed_base_urls=tuple(u.strip() for u in (settings.allowed_base_urls or "").split(",") if u.strip()),
+        ),
     )
 
     load_plugins(reg, settings.plugins)
