@@ -12,6 +12,7 @@ import re
 
 _PLAIN = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _ESCAPE = re.compile(r"~([0-9A-F]{2})")
+_PLAIN_ID = re.compile(r"[A-Za-z0-9_-]+")
 
 
 class InvalidIdError(ValueError):
@@ -22,6 +23,8 @@ def encode_token(raw_id: str) -> str:
     """Encode an id as one subject-safe token; the payload always keeps the real id."""
     if not raw_id:
         raise InvalidIdError("an id must not be empty")
+    if _PLAIN_ID.fullmatch(raw_id):
+        return raw_id  # the common case, without the per-byte loop
     out: list[str] = []
     for byte in raw_id.encode("utf-8"):
         out.append(chr(byte) if byte in _PLAIN else f"~{byte:02X}")

@@ -279,13 +279,13 @@ class ConsumerLoop:
         started = time.monotonic()
         self._beat[id(msg)] = (msg, started)
         self._in_flight_gauge.inc()
-        meta = msg.metadata
+        num_delivered, stream_seq = _ack_fields(msg.reply)
         headers = msg.headers or {}
         delivery = Delivery(
             subject=msg.subject,
             headers=headers,
-            num_delivered=meta.num_delivered,
-            stream_seq=meta.sequence.stream,
+            num_delivered=num_delivered,
+            stream_seq=stream_seq,
             _msg=msg,
             _on_release=self._release,
         )
@@ -403,6 +403,17 @@ class ConsumerLoop:
             self._metrics.dead_letters.labels(self._label, "max_deliver").inc()
         except PublishFailedError:
             log.error("could not dead-letter exhausted seq %d", seq)
+
+
+def _ack_fields(reply: str) -> tuple[int, int]:
+    """Delivery count and stream sequence from a JetStream ack subject, without building nats-py's
+    full metadata (timestamps and all) per message:
+    `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>` (v1), or with a domain and
+    an account hash after `$JS.ACK` (v2)."""
+    tokens = reply.split(".")
+    if len(tokens) == 9:
+        return int(tokens[4]), int(tokens[5])
+    return int(tokens[6]), int(tokens[7])
 
 
 def check_subject(event: EventBase, subject: str) -> None:

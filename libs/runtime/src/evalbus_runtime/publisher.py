@@ -50,6 +50,11 @@ def _parse_ack(data: bytes) -> PubAck | str:
     return PubAck(stream=str(doc.get("stream", "")), seq=int(doc.get("seq", 0)), duplicate=bool(doc.get("duplicate")))
 
 
+def _expire(fut: asyncio.Future[PubAck | str]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())
+
+
 class Publisher:
     """Publishes events (or raw payloads) to JetStream and awaits their PubAcks."""
 
@@ -114,11 +119,14 @@ class Publisher:
         delay = 0.05
         for attempt in range(1, self._attempts + 1):
             inbox = f"{self._prefix}.{next(self._ids)}"
-            fut: asyncio.Future[PubAck | str] = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            fut: asyncio.Future[PubAck | str] = loop.create_future()
             self._waiting[inbox] = fut
+            # A timer on the future is much cheaper than asyncio.wait_for (a task per publish).
+            timer = loop.call_later(self._timeout_s, _expire, fut)
             try:
                 await self._nc.publish(subject, payload, reply=inbox, headers=dict(headers) if headers else None)
-                result = await asyncio.wait_for(fut, self._timeout_s)
+                result = await fut
             except TimeoutError:
                 last_error = f"no PubAck within {self._timeout_s}s"
             except Exception as e:
@@ -128,6 +136,7 @@ class Publisher:
                     return result
                 last_error = result
             finally:
+                timer.cancel()
                 self._waiting.pop(inbox, None)
             if attempt < self._attempts:
                 log.warning("publish to %s failed (attempt %d): %s", subject, attempt, last_error)
