@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 
+import aiohttp
+
+from evalbus_contracts import PlatformSink
 from evalbus_contracts.summary import SinkOutcome
-from evalbus_traces.ports import JudgedCase
+from evalbus_runtime.secrets import SecretStore
+from evalbus_traces.ports import ExportContext, JudgedCase
+from evalbus_traces.transport import DEFAULT_TIMEOUT_S
 
 ERROR_CAP = 500
 """Longest error text kept on an outcome."""
@@ -27,3 +32,30 @@ async def export_each(
         except Exception as e:
             outcomes.append(SinkOutcome(sink=sink, status="failed", error=f"{type(e).__name__}: {e}"[:ERROR_CAP]))
     return outcomes
+
+
+class HttpTraceSink:
+    """What every platform sink shares: its spec, the HTTP session, the secret store, a timeout, and
+    `export` = `_export_one` per case under `export_each`."""
+
+    name = "platform"
+
+    def __init__(
+        self,
+        spec: PlatformSink,
+        session: aiohttp.ClientSession,
+        secrets: SecretStore,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self._spec = spec
+        self._base = spec.endpoint.rstrip("/")
+        self._session = session
+        self._secrets = secrets
+        self._timeout_s = timeout_s
+
+    async def export(self, ctx: ExportContext, cases: Sequence[JudgedCase]) -> list[SinkOutcome]:
+        """One outcome per case; never raises."""
+        return await export_each(self.name, cases, lambda case: self._export_one(ctx, case))
+
+    async def _export_one(self, ctx: ExportContext, case: JudgedCase) -> SinkOutcome:
+        raise NotImplementedError

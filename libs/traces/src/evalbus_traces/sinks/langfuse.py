@@ -11,22 +11,17 @@ Auth: HTTP Basic, public key as user and secret key as password (the secret hold
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-import aiohttp
-
-from evalbus_contracts.specs import PlatformSink
 from evalbus_contracts.summary import SinkOutcome
-from evalbus_runtime.secrets import SecretStore
 from evalbus_traces.auth import auth_headers
 from evalbus_traces.errors import TraceRejectedError
 from evalbus_traces.ids import export_trace_id, export_uuid
 from evalbus_traces.otlp import case_window
 from evalbus_traces.ports import ExportContext, JudgedCase
-from evalbus_traces.sinks import export_each
-from evalbus_traces.transport import DEFAULT_TIMEOUT_S, expect_ok, send
+from evalbus_traces.sinks import HttpTraceSink
+from evalbus_traces.transport import expect_ok, send
 
 
 def _iso(ns: int) -> str:
@@ -106,27 +101,10 @@ def ingestion_batch(case: JudgedCase, ctx: ExportContext, now: datetime) -> dict
     return {"batch": batch, "metadata": {"sdk_name": "evalbus"}}
 
 
-class LangfuseTraceSink:
+class LangfuseTraceSink(HttpTraceSink):
     """Exports judged cases to Langfuse through batch ingestion."""
 
     name = "langfuse"
-
-    def __init__(
-        self,
-        spec: PlatformSink,
-        session: aiohttp.ClientSession,
-        secrets: SecretStore,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-    ) -> None:
-        self._spec = spec
-        self._base = spec.endpoint.rstrip("/")
-        self._session = session
-        self._secrets = secrets
-        self._timeout_s = timeout_s
-
-    async def export(self, ctx: ExportContext, cases: Sequence[JudgedCase]) -> list[SinkOutcome]:
-        """One outcome per case; never raises."""
-        return await export_each(self.name, cases, lambda case: self._export_one(ctx, case))
 
     async def _export_one(self, ctx: ExportContext, case: JudgedCase) -> SinkOutcome:
         headers = auth_headers("basic-pair", self._secrets, self._spec.auth_secret)

@@ -12,21 +12,16 @@ counts as done. Auth: `x-api-key: <secret>`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-import aiohttp
-
-from evalbus_contracts.specs import PlatformSink
 from evalbus_contracts.summary import SinkOutcome
-from evalbus_runtime.secrets import SecretStore
 from evalbus_traces.auth import auth_headers
 from evalbus_traces.ids import export_uuid
 from evalbus_traces.otlp import case_window
 from evalbus_traces.ports import ExportContext, JudgedCase
-from evalbus_traces.sinks import export_each
-from evalbus_traces.transport import DEFAULT_TIMEOUT_S, HttpResponse, reject, send
+from evalbus_traces.sinks import HttpTraceSink
+from evalbus_traces.transport import HttpResponse, reject, send
 
 DEFAULT_PROJECT = "evalbus"
 """Project (session) used when the sink names none."""
@@ -109,27 +104,10 @@ def _created(resp: HttpResponse, what: str) -> None:
         raise reject(resp, what)
 
 
-class LangsmithTraceSink:
+class LangsmithTraceSink(HttpTraceSink):
     """Exports judged cases to a LangSmith project as runs with feedback."""
 
     name = "langsmith"
-
-    def __init__(
-        self,
-        spec: PlatformSink,
-        session: aiohttp.ClientSession,
-        secrets: SecretStore,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-    ) -> None:
-        self._spec = spec
-        self._base = spec.endpoint.rstrip("/")
-        self._session = session
-        self._secrets = secrets
-        self._timeout_s = timeout_s
-
-    async def export(self, ctx: ExportContext, cases: Sequence[JudgedCase]) -> list[SinkOutcome]:
-        """One outcome per case; never raises."""
-        return await export_each(self.name, cases, lambda case: self._export_one(ctx, case))
 
     async def _export_one(self, ctx: ExportContext, case: JudgedCase) -> SinkOutcome:
         headers = auth_headers("x-api-key", self._secrets, self._spec.auth_secret)

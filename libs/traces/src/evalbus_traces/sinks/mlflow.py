@@ -18,7 +18,6 @@ Auth: the secret's value verbatim in `Authorization`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
@@ -33,7 +32,7 @@ from evalbus_traces.errors import TraceConfigError
 from evalbus_traces.ids import export_span_id, export_trace_id
 from evalbus_traces.otlp import case_request
 from evalbus_traces.ports import ExportContext, JudgedCase
-from evalbus_traces.sinks import export_each
+from evalbus_traces.sinks import HttpTraceSink
 from evalbus_traces.sources.mlflow import mlflow_missing
 from evalbus_traces.transport import DEFAULT_TIMEOUT_S, expect_ok, reject, require_ok, send
 
@@ -69,7 +68,7 @@ def assessment_body(case: JudgedCase, trace_id: str, score: Any) -> dict[str, An
     return {"assessment": assessment}
 
 
-class MlflowTraceSink:
+class MlflowTraceSink(HttpTraceSink):
     """Exports judged cases to an MLflow experiment as traces with assessments."""
 
     name = "mlflow"
@@ -81,16 +80,8 @@ class MlflowTraceSink:
         secrets: SecretStore,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        self._spec = spec
-        self._base = spec.endpoint.rstrip("/")
-        self._session = session
-        self._secrets = secrets
-        self._timeout_s = timeout_s
+        super().__init__(spec, session, secrets, timeout_s)
         self._experiment_id: str | None = None
-
-    async def export(self, ctx: ExportContext, cases: Sequence[JudgedCase]) -> list[SinkOutcome]:
-        """One outcome per case; never raises."""
-        return await export_each(self.name, cases, lambda case: self._export_one(ctx, case))
 
     async def _call(self, method: str, path: str, headers: dict[str, str], **kwargs: Any) -> Any:
         return await send(

@@ -10,20 +10,15 @@ Auth: the secret's value verbatim in `Authorization`. The external id is the tra
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from datetime import UTC, datetime
 
-import aiohttp
-
-from evalbus_contracts.specs import PlatformSink
 from evalbus_contracts.summary import SinkOutcome
-from evalbus_runtime.secrets import SecretStore
 from evalbus_traces.auth import auth_headers
 from evalbus_traces.ids import export_trace_id
 from evalbus_traces.otlp import case_request, request_json
 from evalbus_traces.ports import ExportContext, JudgedCase
-from evalbus_traces.sinks import export_each
-from evalbus_traces.transport import DEFAULT_TIMEOUT_S, require_ok, send
+from evalbus_traces.sinks import HttpTraceSink
+from evalbus_traces.transport import require_ok, send
 
 
 def traces_url(endpoint: str) -> str:
@@ -32,26 +27,10 @@ def traces_url(endpoint: str) -> str:
     return base if base.endswith("/v1/traces") else base + "/v1/traces"
 
 
-class OtelTraceSink:
+class OtelTraceSink(HttpTraceSink):
     """Exports judged cases as OTLP/HTTP JSON spans."""
 
     name = "otel"
-
-    def __init__(
-        self,
-        spec: PlatformSink,
-        session: aiohttp.ClientSession,
-        secrets: SecretStore,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-    ) -> None:
-        self._spec = spec
-        self._session = session
-        self._secrets = secrets
-        self._timeout_s = timeout_s
-
-    async def export(self, ctx: ExportContext, cases: Sequence[JudgedCase]) -> list[SinkOutcome]:
-        """One outcome per case; never raises."""
-        return await export_each(self.name, cases, lambda case: self._export_one(ctx, case))
 
     async def _export_one(self, ctx: ExportContext, case: JudgedCase) -> SinkOutcome:
         headers = auth_headers("authorization", self._secrets, self._spec.auth_secret)

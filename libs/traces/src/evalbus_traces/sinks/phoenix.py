@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
@@ -32,7 +31,7 @@ from evalbus_traces.errors import TraceUnavailableError
 from evalbus_traces.ids import export_span_id, export_trace_id
 from evalbus_traces.otlp import case_request
 from evalbus_traces.ports import ExportContext, JudgedCase
-from evalbus_traces.sinks import export_each
+from evalbus_traces.sinks import HttpTraceSink
 from evalbus_traces.transport import DEFAULT_TIMEOUT_S, expect_ok, require_ok, send
 
 DEFAULT_PROJECT = "evalbus"
@@ -83,7 +82,7 @@ def verdict_annotation(case: JudgedCase) -> dict[str, Any] | None:
     }
 
 
-class PhoenixTraceSink:
+class PhoenixTraceSink(HttpTraceSink):
     """Exports judged cases to a Phoenix project as spans with annotations."""
 
     name = "phoenix"
@@ -96,18 +95,10 @@ class PhoenixTraceSink:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         appear_timeout_s: float = APPEAR_TIMEOUT_S,
     ) -> None:
-        self._spec = spec
-        self._base = spec.endpoint.rstrip("/")
+        super().__init__(spec, session, secrets, timeout_s)
         self._project = spec.project or DEFAULT_PROJECT
-        self._session = session
-        self._secrets = secrets
-        self._timeout_s = timeout_s
         self._appear_timeout_s = appear_timeout_s
         self._project_id: str | None = None
-
-    async def export(self, ctx: ExportContext, cases: Sequence[JudgedCase]) -> list[SinkOutcome]:
-        """One outcome per case; never raises."""
-        return await export_each(self.name, cases, lambda case: self._export_one(ctx, case))
 
     async def _span_exists(self, headers: dict[str, str], span_id: str) -> bool:
         url = f"{self._base}/v1/projects/{quote(self._project, safe='')}/spans"
