@@ -9,6 +9,7 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+import msgspec
 import pytest
 from aiohttp import web
 
@@ -108,7 +109,10 @@ def test_collected_case_carries_pulled_events_scores_and_the_answer() -> None:
     outcome = CollectOutcome(status="ok", events=PULLED, attempts=1)
     collected = complete(_executed(MARKS), outcome)
     trace = collected.result.trace
-    assert trace[: len(MARKS) + len(PULLED)] == (*MARKS, *PULLED)
+    # pulled spans are put on the run's clock from the `started` mark (t=0.1)
+    on_run_clock = tuple(msgspec.structs.replace(e, t=round(e.t + 0.1, 9)) for e in PULLED)
+    got = tuple(msgspec.structs.replace(e, t=round(e.t, 9)) for e in trace[: len(MARKS) + len(PULLED)])
+    assert got == (*MARKS, *on_run_clock)
     assert trace[-1] == Message(role="assistant", text="42", t=1.5)
     scores = {s.grader_id: s for s in collected.result.scores}
     assert [s.grader_id for s in collected.result.scores] == ["tests", "steps", "cost", "answer"]

@@ -3,6 +3,7 @@ ground truth kept, soft degradation and missing secrets visible."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from evalbus_collector.complete import complete, deferred_graders
@@ -99,3 +100,15 @@ def test_a_missing_secret_is_a_visible_unmeasured_score() -> None:
     out = complete(executed(), outcome)
     reasons = [s.reason for s in out.result.scores if isinstance(s, Unmeasured)]
     assert reasons == ["missing_secret", "missing_secret"]
+
+
+def test_pulled_events_are_put_on_the_run_clock_from_the_started_mark() -> None:
+    from evalbus_contracts import Infra
+
+    base = executed()
+    marked = msgspec.structs.replace(
+        base, result=msgspec.structs.replace(base.result, trace=(Infra(scope="placement", event="started", t=0.5),))
+    )
+    out = complete(marked, CollectOutcome(status="ok", events=(ToolCall(t=0.25, id="1", name="calc"),), attempts=1))
+    pulled = [e for e in out.result.trace if isinstance(e, ToolCall)]
+    assert pulled[0].t == 0.75  # 0.25 s after the first span, which began when the harness started

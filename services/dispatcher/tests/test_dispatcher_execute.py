@@ -305,7 +305,10 @@ async def test_job_mode_pulls_after_release_and_grades_observations_on_the_pulle
     assert puller.refs == [ref]
     assert executed.result.answer == "stdout answer"
     assert not any(isinstance(e, Log) for e in executed.result.trace)  # a platform trace: no stderr log event
-    assert [e for e in executed.result.trace if isinstance(e, Message)] == [pulled[-1]]
+    messages = [e for e in executed.result.trace if isinstance(e, Message)]
+    assert [(m.role, m.text) for m in messages] == [("assistant", "pulled answer")]
+    started = next(e.t for e in executed.result.trace if isinstance(e, Infra) and e.event == "started")
+    assert messages[0].t == pytest.approx(5.0 + started)  # on the run's clock, from the harness start
 
 
 async def test_job_mode_pull_failure_keeps_trace_ref_and_scores(

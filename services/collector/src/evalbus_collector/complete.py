@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import msgspec
 
-from evalbus_contracts import CaseCollected, CaseExecuted, Error, GraderSpec, Message, Score, TraceEvent
+from evalbus_contracts import CaseCollected, CaseExecuted, Error, GraderSpec, Infra, Message, Score, TraceEvent
 from evalbus_grading import Evidence, grade_observations, in_grader_order, unmeasured_scores
 from evalbus_traces import CollectOutcome
 
@@ -32,7 +32,10 @@ def complete(event: CaseExecuted, outcome: CollectOutcome | None, *, degraded: s
     result = event.result
     added: list[TraceEvent] = []
     if outcome is not None:
-        added.extend(outcome.events)
+        # Platform spans are timed from the trace's first span: put them on the run's clock, from
+        # the dispatcher's `started` mark, like the events the harness printed.
+        offset = _started_t(result.trace)
+        added.extend(msgspec.structs.replace(e, t=e.t + offset) for e in outcome.events)
         if outcome.error_event is not None:
             added.append(outcome.error_event)
     if degraded is not None:
@@ -65,6 +68,10 @@ def with_final_answer(trace: tuple[TraceEvent, ...], answer: str | None) -> tupl
     if not answer or any(isinstance(e, Message) and e.role == "assistant" for e in trace):
         return trace
     return (*trace, Message(role="assistant", text=answer, t=_end(trace)))
+
+
+def _started_t(trace: tuple[TraceEvent, ...]) -> float:
+    return next((e.t for e in trace if isinstance(e, Infra) and e.event == "started"), 0.0)
 
 
 def _end(trace: tuple[TraceEvent, ...]) -> float:

@@ -278,8 +278,12 @@ class _Execution:
             return held
         if not pulled:
             self._notes.append(Error(message=f"the {ref.kind} trace pull returned no events", t=self._t()))
+        # Platform spans are timed from the trace's first span; put them on the run's clock, from
+        # the moment the harness started, like the events it printed.
+        started_t = held.t_end - held.run.duration_s
+        on_run_clock = [shift(e, started_t) for e in pulled]
         held.events = list(
-            complete_trace([*held.events, *pulled], answer=answer, trace_kind=kind, stderr="", t_end=held.t_end)
+            complete_trace([*held.events, *on_run_clock], answer=answer, trace_kind=kind, stderr="", t_end=held.t_end)
         )
         held.scores += grade_observations(observation, self._evidence(held))
         return held
