@@ -506,3 +506,42 @@ async def test_supersede_ends_the_old_batch_superseded(pipeline: Pipeline, tmp_p
     assert new_view.status == "succeeded"
     assert new_view.summary is not None
     assert new_view.summary.verdicts.passed == 2
+
+
+# ---------------------------------------------------------------- live view
+
+
+async def test_a_run_streams_its_output_marks_and_trace_to_the_live_stream(pipeline: Pipeline) -> None:
+    """While it runs, a case's stderr, its trace events and its infra marks go to `run.<run>.live.*`
+    (best effort, without acks); the sealed trace in `case.executed` stays the record."""
+    from evalbus.testing.pipeline import read_stream
+    from evalbus_contracts import InfraMark, LiveLog, LiveTrace, ToolCall
+    from evalbus_contracts.subjects import live_filter
+
+    spec = BatchSpec(
+        suite=SuiteSpec(
+            id="live",
+            cases=(CaseSpec(id="c1", input=task(answer="7", stderr="thinking hard\n", tool_calls=2), expected="7"),),
+        ),
+        harness=agent_harness(),
+    )
+    batch_id = await pipeline.submit(spec)
+    await pipeline.finalized(batch_id)
+    run_id = f"evb-{batch_id}-c1"
+
+    async def live() -> list[Event]:
+        return [m.event() for m in await read_stream(pipeline.nc, "LIVE", (live_filter(run_id),))]
+
+    events: list[Event] = []
+
+    async def marks_arrived() -> bool:
+        events[:] = await live()
+        return {e.mark.event for e in events if isinstance(e, InfraMark)} >= {"accepted", "started", "released"}
+
+    await eventually(marks_arrived, timeout_s=15, what="the live marks of the run")
+    logs = "".join(e.text for e in events if isinstance(e, LiveLog) and e.stream == "stderr")
+    assert "thinking hard" in logs
+    assert "EVALBUS_EVENT" not in "".join(e.text for e in events if isinstance(e, LiveLog))
+    traced = [ev for e in events if isinstance(e, LiveTrace) for ev in e.events]
+    assert sum(isinstance(ev, ToolCall) for ev in traced) == 2
+    assert all(e.run_id == run_id for e in events)

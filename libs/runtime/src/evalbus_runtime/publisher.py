@@ -103,6 +103,14 @@ class Publisher:
         inject_traceparent(hdrs)
         return await self.publish_raw(event.subject(), encode(event), hdrs)
 
+    async def publish_nowait(self, event: EventBase) -> None:
+        """Publish one event without waiting for JetStream's acknowledgement: for best-effort data
+        (the LIVE stream's log chunks and marks), where a lost message costs a live view a line,
+        never a result, and an ack round trip per chunk would slow the run down."""
+        hdrs = {"Nats-Msg-Id": event.msg_id(), "Evalbus-Type": event.type, "Evalbus-Version": str(event.v)}
+        inject_traceparent(hdrs)
+        await self._nc.publish(event.subject(), encode(event), headers=hdrs)
+
     async def publish_events(self, events: Iterable[EventBase]) -> list[PubAck]:
         """Publish several events concurrently; all must be acknowledged."""
         batch = list(events)

@@ -67,7 +67,8 @@ class DispatcherSettings(ServiceSettings):
 
 
 class LiveBus:
-    """A running case's live output onto the LIVE stream (`run.<run>.live.*`)."""
+    """A running case's live output onto the LIVE stream (`run.<run>.live.*`), best effort: published
+    without waiting for acknowledgements (the sealed trace in `case.executed` is the record)."""
 
     def __init__(self, publisher: Publisher, req: CaseRequested) -> None:
         self._pub = publisher
@@ -76,14 +77,14 @@ class LiveBus:
 
     async def log(self, stream: Literal["stdout", "stderr"], text: str) -> None:
         self._seq[stream] += 1
-        await self._pub.publish_event(LiveLog(seq=self._seq[stream], stream=stream, text=text, **self._ids))  # type: ignore[arg-type]
+        await self._pub.publish_nowait(LiveLog(seq=self._seq[stream], stream=stream, text=text, **self._ids))  # type: ignore[arg-type]
 
     async def trace(self, events: Sequence[TraceEvent]) -> None:
         self._seq["trace"] += 1
-        await self._pub.publish_event(LiveTrace(seq=self._seq["trace"], events=tuple(events), **self._ids))  # type: ignore[arg-type]
+        await self._pub.publish_nowait(LiveTrace(seq=self._seq["trace"], events=tuple(events), **self._ids))  # type: ignore[arg-type]
 
     async def infra(self, mark: Infra) -> None:
-        await self._pub.publish_event(InfraMark(mark=mark, **self._ids))  # type: ignore[arg-type]
+        await self._pub.publish_nowait(InfraMark(mark=mark, **self._ids))  # type: ignore[arg-type]
 
 
 class PlatformTracePuller:
