@@ -50,6 +50,15 @@ def _parse_ack(data: bytes) -> PubAck | str:
     return PubAck(stream=str(doc.get("stream", "")), seq=int(doc.get("seq", 0)), duplicate=bool(doc.get("duplicate")))
 
 
+def event_headers(event: EventBase, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The headers every event goes out with: its dedup id, type, schema version, `traceparent`."""
+    headers = {"Nats-Msg-Id": event.msg_id(), "Evalbus-Type": event.type, "Evalbus-Version": str(event.v)}
+    if extra:
+        headers.update(extra)
+    inject_traceparent(headers)
+    return headers
+
+
 def _expire(fut: asyncio.Future[PubAck | str]) -> None:
     if not fut.done():
         fut.set_exception(TimeoutError())
@@ -97,19 +106,13 @@ class Publisher:
 
     async def publish_event(self, event: EventBase, *, headers: Mapping[str, str] | None = None) -> PubAck:
         """Publish one event on its subject with its dedup id; wait for the PubAck."""
-        hdrs = {"Nats-Msg-Id": event.msg_id(), "Evalbus-Type": event.type, "Evalbus-Version": str(event.v)}
-        if headers:
-            hdrs.update(headers)
-        inject_traceparent(hdrs)
-        return await self.publish_raw(event.subject(), encode(event), hdrs)
+        return await self.publish_raw(event.subject(), encode(event), event_headers(event, headers))
 
     async def publish_nowait(self, event: EventBase) -> None:
         """Publish one event without waiting for JetStream's acknowledgement: for best-effort data
         (the LIVE stream's log chunks and marks), where a lost message costs a live view a line,
         never a result, and an ack round trip per chunk would slow the run down."""
-        hdrs = {"Nats-Msg-Id": event.msg_id(), "Evalbus-Type": event.type, "Evalbus-Version": str(event.v)}
-        inject_traceparent(hdrs)
-        await self._nc.publish(event.subject(), encode(event), headers=hdrs)
+        await self._nc.publish(event.subject(), encode(event), headers=event_headers(event))
 
     async def publish_events(self, events: Iterable[EventBase]) -> list[PubAck]:
         """Publish several events concurrently; all must be acknowledged."""

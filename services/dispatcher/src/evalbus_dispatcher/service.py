@@ -132,27 +132,32 @@ class Cancellations:
 
     async def start(self, js: JetStreamContext) -> None:
         """Follow cancellations; return once every cancellation already stored has been read."""
+        info = await js.stream_info("CASES", subjects_filter="batch.cancelled.>")
+        known = len(info.state.subjects or {})
+
+        caught_up = asyncio.Event()
 
         async def on_msg(msg: Msg) -> None:
-            self._read += 1  # one per subject, readable or not
             try:
                 event = decode_event(msg.data)
             except DecodeError:
                 log.warning("unreadable cancellation on %s ignored", msg.subject)
-                return
-            if isinstance(event, BatchCancelled) and event.batch_id:
-                self._reasons[event.batch_id] = event.reason
+            else:
+                if isinstance(event, BatchCancelled) and event.batch_id:
+                    self._reasons[event.batch_id] = event.reason
+            self._read += 1  # one per subject, readable or not
+            if self._read >= known:
+                caught_up.set()
 
-        info = await js.stream_info("CASES", subjects_filter="batch.cancelled.>")
-        known = len(info.state.subjects or {})
         await js.subscribe(
             "batch.cancelled.>", cb=on_msg, ordered_consumer=True, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT
         )
-        for _ in range(500):
-            if self._read >= known:
-                return
-            await asyncio.sleep(0.01)
-        log.warning("read %d of %d cancellations at start", self._read, known)
+        if known == 0:
+            return
+        try:
+            await asyncio.wait_for(caught_up.wait(), 5.0)
+        except TimeoutError:
+            log.warning("read %d of %d cancellations at start", self._read, known)
 
 
 def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
