@@ -14,10 +14,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TextIO
 
 import msgspec
 
+from evalbus.cli.connection import GatewayTarget, TargetError, gateway_target
 from evalbus.cli.progress import BatchProgress, ProgressDisplay
 from evalbus.cli.scorecard import json_line, render_scorecard
 from evalbus_gateway.client import ApiRequestError, GatewayClient
@@ -120,3 +122,24 @@ def api_failure(e: ApiRequestError, what: str) -> tuple[int, str]:
     field = f" at {e.field}" if e.field else ""
     code = EXIT_BAD_INPUT if e.status in (400, 413, 422) else EXIT_NOT_SUCCEEDED
     return code, f"{what}: {e.status} {e.code}{field}: {e.message}"
+
+
+def error_line(line: str) -> None:
+    """One line to stderr, flushed (progress may be drawing on stdout)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def report_spec_problems(command: str, what: str, source: str, problems: list[tuple[str, str]]) -> None:
+    """Say which file is not a valid `what`, one offending field per line."""
+    error_line(f"evalbus {command}: {source} is not a valid {what}:")
+    for field, message in problems:
+        error_line(f"  {field}: {message}")
+
+
+def resolve_target(command: str, state_dir: Path, url: str | None, token: str | None) -> GatewayTarget | None:
+    """The gateway to call, or None after saying why there is none."""
+    try:
+        return gateway_target(state_dir, url, token)
+    except TargetError as e:
+        error_line(f"evalbus {command}: {e}")
+        return None

@@ -16,15 +16,18 @@ import asyncio
 import json
 import sys
 
-from evalbus.cli.connection import GatewayTarget, TargetError, add_gateway_options, gateway_target
+from evalbus.cli.connection import GatewayTarget, add_gateway_options
 from evalbus.cli.follow import (
     EXIT_BAD_INPUT,
     EXIT_FINALIZED,
     EXIT_NOT_SUCCEEDED,
     api_failure,
+    error_line,
     follow,
     print_outcome,
     progress_display,
+    report_spec_problems,
+    resolve_target,
 )
 from evalbus.cli.progress import BatchProgress
 from evalbus.cli.scorecard import json_line
@@ -56,10 +59,6 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     parser.set_defaults(run=run)
 
 
-def _error(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 async def rejudge(
     target: GatewayTarget, old_id: str, judges: tuple[JudgeSpec, ...] | None, *, json_output: bool, no_wait: bool
 ) -> int:
@@ -70,7 +69,7 @@ async def rejudge(
             accepted = await client.rejudge(old_id, judges)
         except ApiRequestError as e:
             code, message = api_failure(e, f"re-judging {old_id} failed")
-            _error(message)
+            error_line(message)
             return code
         new_id = accepted.batch_id
         if no_wait:
@@ -84,10 +83,10 @@ async def rejudge(
         try:
             outcome = await follow(client, BatchProgress(new_id), progress_display(json_output))
         except ApiRequestError as e:
-            _error(api_failure(e, f"following batch {new_id} failed")[1])
+            error_line(api_failure(e, f"following batch {new_id} failed")[1])
             return EXIT_NOT_SUCCEEDED
         except asyncio.CancelledError:  # Ctrl-C
-            _error(f"\nstopped following; batch {new_id} goes on: evalbus tail {new_id}")
+            error_line(f"\nstopped following; batch {new_id} goes on: evalbus tail {new_id}")
             raise
         print_outcome(outcome, json_output=json_output, out=sys.stdout, rejudge_of=old_id)
         return outcome.exit_code
@@ -100,14 +99,10 @@ def run(args: argparse.Namespace) -> int:
         try:
             judges = load_judges(args.judges)
         except SpecFileError as e:
-            _error(f"evalbus rejudge: {e.source} is not a valid list of judges:")
-            for field, message in e.problems:
-                _error(f"  {field}: {message}")
+            report_spec_problems("rejudge", "list of judges", e.source, e.problems)
             return EXIT_BAD_INPUT
-    try:
-        target = gateway_target(args.dir, args.gateway, args.token)
-    except TargetError as e:
-        _error(f"evalbus rejudge: {e}")
+    target = resolve_target("rejudge", args.dir, args.gateway, args.token)
+    if target is None:
         return EXIT_NOT_SUCCEEDED
     try:
         return asyncio.run(rejudge(target, args.batch, judges, json_output=args.json, no_wait=args.no_wait))

@@ -14,15 +14,18 @@ import json
 import sys
 from pathlib import Path
 
-from evalbus.cli.connection import GatewayTarget, TargetError, add_gateway_options, gateway_target
+from evalbus.cli.connection import GatewayTarget, add_gateway_options
 from evalbus.cli.follow import (
     EXIT_BAD_INPUT,
     EXIT_FINALIZED,
     EXIT_NOT_SUCCEEDED,
     api_failure,
+    error_line,
     follow,
     print_outcome,
     progress_display,
+    report_spec_problems,
+    resolve_target,
 )
 from evalbus.cli.progress import BatchProgress
 from evalbus.cli.scorecard import json_line
@@ -52,10 +55,6 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     parser.set_defaults(run=run)
 
 
-def _error(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 async def submit_and_follow(spec: BatchSpec, target: GatewayTarget, *, json_output: bool, no_wait: bool) -> int:
     """Submit `spec`, follow it and print the outcome; the exit code."""
     async with GatewayClient(target.url, target.token) as client:
@@ -63,7 +62,7 @@ async def submit_and_follow(spec: BatchSpec, target: GatewayTarget, *, json_outp
             accepted = await client.submit(spec)
         except ApiRequestError as e:
             code, message = api_failure(e, "submitting the batch failed")
-            _error(message)
+            error_line(message)
             return code
         batch_id = accepted.batch_id
         total = len({c.id for c in spec.suite.cases}) * max(1, spec.policy.trials)
@@ -81,11 +80,11 @@ async def submit_and_follow(spec: BatchSpec, target: GatewayTarget, *, json_outp
         try:
             outcome = await follow(client, progress, progress_display(json_output))
         except ApiRequestError as e:
-            _error(api_failure(e, f"following batch {batch_id} failed")[1])
-            _error(f"the batch goes on: evalbus tail {batch_id}")
+            error_line(api_failure(e, f"following batch {batch_id} failed")[1])
+            error_line(f"the batch goes on: evalbus tail {batch_id}")
             return EXIT_NOT_SUCCEEDED
         except asyncio.CancelledError:  # Ctrl-C
-            _error(f"\nstopped following; batch {batch_id} goes on: evalbus tail {batch_id}")
+            error_line(f"\nstopped following; batch {batch_id} goes on: evalbus tail {batch_id}")
             raise
         print_outcome(outcome, json_output=json_output, out=sys.stdout)
         return outcome.exit_code
@@ -96,14 +95,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = load_suite(args.suite)
     except SpecFileError as e:
-        _error(f"evalbus run: {e.source} is not a valid suite:")
-        for field, message in e.problems:
-            _error(f"  {field}: {message}")
+        report_spec_problems("run", "suite", e.source, e.problems)
         return EXIT_BAD_INPUT
-    try:
-        target = gateway_target(args.dir, args.gateway, args.token)
-    except TargetError as e:
-        _error(f"evalbus run: {e}")
+    target = resolve_target("run", args.dir, args.gateway, args.token)
+    if target is None:
         return EXIT_NOT_SUCCEEDED
     try:
         return asyncio.run(submit_and_follow(spec, target, json_output=args.json, no_wait=args.no_wait))
