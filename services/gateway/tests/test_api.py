@@ -5,12 +5,9 @@ models, members see only their own batches, and the OpenAPI document matches the
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -18,13 +15,12 @@ import msgspec
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from evalbus.infra.nats import start_nats
 from evalbus_contracts import BatchCancelled, BatchRequested, EventBase, decode_event, encode_token, to_builtins
 from evalbus_gateway.api.models import ErrorBody
 from evalbus_gateway.client import ApiRequestError, GatewayClient
 from evalbus_gateway.store import get_batch, get_run
 from evalbus_gateway.testing import BatchScript, RunningGateway, batch_spec, member, running_gateway
-from evalbus_runtime import Publisher, connect, ensure_topology
+from evalbus_runtime import Publisher
 
 pytestmark = pytest.mark.integration
 
@@ -34,33 +30,12 @@ ALICE, BOB = "tok-alice", "tok-bob"
 # ---------------------------------------------------------------- fixtures and helpers
 
 
-@pytest.fixture(scope="module")
-def gw_nats() -> Iterator[str]:
-    """A nats-server of this module's own."""
-    folder = Path(tempfile.mkdtemp(prefix="evalbus-gw-api-"))
-    server = start_nats(folder / "nats")
-    yield server.url
-    server.stop()
-    shutil.rmtree(folder, ignore_errors=True)
-
-
 @pytest.fixture
 async def gateway(gw_nats: str, database_url: str) -> AsyncIterator[RunningGateway]:
     async with running_gateway(
         gw_nats, database_url, tokens={ALICE: member("alice"), BOB: member("bob")}, page_size=50
     ) as gw:
         yield gw
-
-
-@pytest.fixture
-async def bus(gw_nats: str) -> AsyncIterator[tuple[NatsClient, Publisher]]:
-    nc = await connect(gw_nats, "test-api")
-    await ensure_topology(nc.jetstream())
-    pub = Publisher(nc)
-    await pub.start()
-    yield nc, pub
-    await pub.stop()
-    await nc.close()
 
 
 @pytest.fixture

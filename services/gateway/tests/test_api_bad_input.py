@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import shutil
-import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import msgspec
 import pytest
 
-from evalbus.infra.nats import start_nats
 from evalbus.infra.postgres import create_database, drop_database
 from evalbus_contracts import encode, to_builtins
 from evalbus_gateway.api.models import ErrorBody
@@ -28,15 +24,6 @@ pytestmark = pytest.mark.integration
 
 ALICE, BOB = "tok-alice", "tok-bob"
 LIMIT = 64 * 1024
-
-
-@pytest.fixture(scope="module")
-def gw_nats() -> Iterator[str]:
-    folder = Path(tempfile.mkdtemp(prefix="evalbus-gw-bad-"))
-    server = start_nats(folder / "nats")
-    yield server.url
-    server.stop()
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import io
-import shutil
-import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -21,7 +18,6 @@ import msgspec
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from evalbus.infra.nats import start_nats
 from evalbus_contracts import (
     BatchRequested,
     CaseCollected,
@@ -39,7 +35,7 @@ from evalbus_gateway.api.models import ErrorBody
 from evalbus_gateway.api.rejudge import RejudgeError, rejudge_events
 from evalbus_gateway.store import get_batch
 from evalbus_gateway.testing import BatchScript, RunningGateway, batch_spec, member, running_gateway
-from evalbus_runtime import Publisher, connect, ensure_topology
+from evalbus_runtime import Publisher
 
 ALICE, BOB = "tok-alice", "tok-bob"
 
@@ -135,30 +131,10 @@ def test_rejudge_events_refuses_missing_runs() -> None:
 # ---------------------------------------------------------------- against the gateway
 
 
-@pytest.fixture(scope="module")
-def gw_nats() -> Iterator[str]:
-    folder = Path(tempfile.mkdtemp(prefix="evalbus-gw-rejudge-"))
-    server = start_nats(folder / "nats")
-    yield server.url
-    server.stop()
-    shutil.rmtree(folder, ignore_errors=True)
-
-
 @pytest.fixture
 async def gateway(gw_nats: str, database_url: str) -> AsyncIterator[RunningGateway]:
     async with running_gateway(gw_nats, database_url, tokens={ALICE: member("alice"), BOB: member("bob")}) as gw:
         yield gw
-
-
-@pytest.fixture
-async def bus(gw_nats: str) -> AsyncIterator[tuple[NatsClient, Publisher]]:
-    nc = await connect(gw_nats, "test-rejudge")
-    await ensure_topology(nc.jetstream())
-    pub = Publisher(nc)
-    await pub.start()
-    yield nc, pub
-    await pub.stop()
-    await nc.close()
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 20.0) -> None:

@@ -6,50 +6,24 @@ for a batch already complete, and from the start-up sweep)."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import asyncpg
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from evalbus.infra.nats import start_nats
 from evalbus_contracts import BatchFinalized, DeadLetter, EventBase, decode_event, encode, encode_token
 from evalbus_contracts.streams import GATEWAY_RECORDER
 from evalbus_gateway.store import RecordedMessage, RecordOutcome, get_batch, record
 from evalbus_gateway.testing import BatchScript, batch_spec, running_gateway
-from evalbus_runtime import Publisher, connect, ensure_topology
+from evalbus_runtime import Publisher
 
 pytestmark = pytest.mark.integration
 
 
 # ---------------------------------------------------------------- fixtures and helpers
-
-
-@pytest.fixture(scope="module")
-def gw_nats() -> Iterator[str]:
-    """A nats-server of this module's own: its `gateway-recorder` consumer sees only these tests."""
-    folder = Path(tempfile.mkdtemp(prefix="evalbus-gw-rec-"))
-    server = start_nats(folder / "nats")
-    yield server.url
-    server.stop()
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-@pytest.fixture
-async def bus(gw_nats: str) -> AsyncIterator[tuple[NatsClient, Publisher]]:
-    """The test's own connection, publishing as the other services would."""
-    nc = await connect(gw_nats, "test-recorder")
-    await ensure_topology(nc.jetstream())
-    pub = Publisher(nc)
-    await pub.start()
-    yield nc, pub
-    await pub.stop()
-    await nc.close()
 
 
 @pytest.fixture

@@ -5,37 +5,24 @@ sequences, `Last-Event-ID` resumes exactly after one, heartbeats keep a quiet st
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import aiohttp
 import msgspec
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from evalbus.infra.nats import start_nats
 from evalbus_contracts import EventBase, decode_event
 from evalbus_gateway.client import SseEvent, SseParser
 from evalbus_gateway.testing import BatchScript, RunningGateway, batch_spec, member, running_gateway
-from evalbus_runtime import Publisher, connect, ensure_topology
+from evalbus_runtime import Publisher
 
 pytestmark = pytest.mark.integration
 
 ALICE = "tok-alice"
 HEARTBEAT_S = 0.2
-
-
-@pytest.fixture(scope="module")
-def gw_nats() -> Iterator[str]:
-    folder = Path(tempfile.mkdtemp(prefix="evalbus-gw-sse-"))
-    server = start_nats(folder / "nats")
-    yield server.url
-    server.stop()
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture
@@ -44,17 +31,6 @@ async def gateway(gw_nats: str, database_url: str) -> AsyncIterator[RunningGatew
         gw_nats, database_url, tokens={ALICE: member("alice")}, sse_heartbeat_s=HEARTBEAT_S
     ) as gw:
         yield gw
-
-
-@pytest.fixture
-async def bus(gw_nats: str) -> AsyncIterator[tuple[NatsClient, Publisher]]:
-    nc = await connect(gw_nats, "test-sse")
-    await ensure_topology(nc.jetstream())
-    pub = Publisher(nc)
-    await pub.start()
-    yield nc, pub
-    await pub.stop()
-    await nc.close()
 
 
 class Stream:
