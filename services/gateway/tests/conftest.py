@@ -1,4 +1,4 @@
-"""Fixtures shared by the gateway's tests: a nats-server per test module (so the durable
+"""Fixtures shared by the gateway's tests: a migrated database of the test's own, a nats-server per test module (so the durable
 `gateway-recorder` consumer of one module never sees another module's events) and a bus
 connection publishing as the other services would."""
 
@@ -9,10 +9,12 @@ import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import asyncpg
 import pytest
 from nats.aio.client import Client as NatsClient
 
 from evalbus.infra.nats import start_nats
+from evalbus_gateway.store import migrate
 from evalbus_runtime import Publisher, connect, ensure_topology
 
 
@@ -36,3 +38,12 @@ async def bus(gw_nats: str) -> AsyncIterator[tuple[NatsClient, Publisher]]:
     yield nc, pub
     await pub.stop()
     await nc.close()
+
+
+@pytest.fixture
+async def pool(database_url: str) -> AsyncIterator[asyncpg.Pool[asyncpg.Record]]:
+    """A migrated database of the test's own."""
+    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=4)
+    await migrate(pool)
+    yield pool
+    await pool.close()

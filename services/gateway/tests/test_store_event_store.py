@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import asyncpg
@@ -61,15 +61,6 @@ HARNESS = CommandHarness(id="echo", command=("echo",))
 
 
 # ---------------------------------------------------------------- fixtures and event builders
-
-
-@pytest.fixture
-async def pool(database_url: str) -> AsyncIterator[asyncpg.Pool[asyncpg.Record]]:
-    """A migrated database of the test's own."""
-    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=4)
-    await migrate(pool)
-    yield pool
-    await pool.close()
 
 
 class Stream:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import asyncpg
@@ -51,15 +51,6 @@ from evalbus_gateway.store.overlap import Overlap
 pytestmark = pytest.mark.integration
 
 HARNESS = CommandHarness(id="agent", command=("agent",))
-
-
-@pytest.fixture
-async def pool(database_url: str) -> AsyncIterator[asyncpg.Pool[asyncpg.Record]]:
-    """A migrated database of the test's own."""
-    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=4)
-    await migrate(pool)
-    yield pool
-    await pool.close()
 
 
 async def stored_texts(pool: asyncpg.Pool[asyncpg.Record], documents: list[str]) -> list[str]:
