@@ -17,16 +17,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import aiohttp
-
 from evalbus_contracts.results import TraceRef
 from evalbus_contracts.trace import TraceEvent
-from evalbus_runtime.secrets import SecretStore
 from evalbus_traces.auth import auth_headers
 from evalbus_traces.errors import TraceConfigError
 from evalbus_traces.ids import as_uuid, trace_id_for
 from evalbus_traces.mapping import SpanRecord, flatten_attributes, iso_nanos, map_spans
-from evalbus_traces.transport import DEFAULT_TIMEOUT_S, expect_ok, send
+from evalbus_traces.sources import HttpTraceSource
+from evalbus_traces.transport import expect_ok, send
 
 PAGE_LIMIT = 100
 """Runs per page."""
@@ -87,13 +85,8 @@ def langsmith_span(run: dict[str, Any]) -> SpanRecord:
     )
 
 
-class LangsmithTraceSource:
+class LangsmithTraceSource(HttpTraceSource):
     """Pulls a run's trace from LangSmith."""
-
-    def __init__(self, session: aiohttp.ClientSession, secrets: SecretStore, timeout_s: float = DEFAULT_TIMEOUT_S):
-        self._session = session
-        self._secrets = secrets
-        self._timeout_s = timeout_s
 
     async def pull(self, ref: TraceRef) -> list[TraceEvent]:
         """The run's trace events; `[]` when LangSmith has none yet."""

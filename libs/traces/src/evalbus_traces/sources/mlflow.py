@@ -15,17 +15,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import aiohttp
-
 from evalbus_contracts.results import TraceRef
 from evalbus_contracts.trace import TraceEvent
-from evalbus_runtime.secrets import SecretStore
 from evalbus_traces.auth import auth_headers
 from evalbus_traces.errors import TraceConfigError, TraceRejectedError
 from evalbus_traces.ids import trace_id_for
 from evalbus_traces.mapping import SpanRecord, map_spans
 from evalbus_traces.otlp import b64_to_hex, key_values, unix_nanos
-from evalbus_traces.transport import DEFAULT_TIMEOUT_S, HttpResponse, expect_ok, reject, send
+from evalbus_traces.sources import HttpTraceSource
+from evalbus_traces.transport import HttpResponse, expect_ok, reject, send
 
 SEARCH_LIMIT = 20
 """Most traces one tag search returns (a run normally has one)."""
@@ -64,13 +62,8 @@ def mlflow_span(raw: dict[str, Any]) -> SpanRecord:
     )
 
 
-class MlflowTraceSource:
+class MlflowTraceSource(HttpTraceSource):
     """Pulls a run's trace from an MLflow tracking server."""
-
-    def __init__(self, session: aiohttp.ClientSession, secrets: SecretStore, timeout_s: float = DEFAULT_TIMEOUT_S):
-        self._session = session
-        self._secrets = secrets
-        self._timeout_s = timeout_s
 
     async def pull(self, ref: TraceRef) -> list[TraceEvent]:
         """The run's trace events; `[]` when MLflow has no such trace yet."""

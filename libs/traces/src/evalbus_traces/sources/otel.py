@@ -19,16 +19,14 @@ import json
 from typing import Any
 from urllib.parse import quote
 
-import aiohttp
-
 from evalbus_contracts.results import TraceRef
 from evalbus_contracts.trace import TraceEvent
-from evalbus_runtime.secrets import SecretStore
 from evalbus_traces.auth import auth_headers
 from evalbus_traces.errors import TraceConfigError
 from evalbus_traces.ids import trace_id_for
 from evalbus_traces.mapping import SpanRecord, map_spans
-from evalbus_traces.transport import DEFAULT_TIMEOUT_S, expect_ok, send
+from evalbus_traces.sources import HttpTraceSource
+from evalbus_traces.transport import expect_ok, send
 
 SEARCH_LIMIT = 20
 """Most traces one tag search returns."""
@@ -59,13 +57,8 @@ def jaeger_spans(trace: dict[str, Any]) -> list[SpanRecord]:
     return out
 
 
-class OtelTraceSource:
+class OtelTraceSource(HttpTraceSource):
     """Pulls a run's trace from a Jaeger-style query API."""
-
-    def __init__(self, session: aiohttp.ClientSession, secrets: SecretStore, timeout_s: float = DEFAULT_TIMEOUT_S):
-        self._session = session
-        self._secrets = secrets
-        self._timeout_s = timeout_s
 
     async def pull(self, ref: TraceRef) -> list[TraceEvent]:
         """The run's trace events; `[]` when the store has none yet."""
