@@ -74,7 +74,10 @@ def main() -> int:
         return 0
     t0 = time.monotonic()
     for path in task.get("touch", []):
-        Path(path).write_text(str(os.getpid()))
+        # Atomically (write, then rename): a test waiting for the file must never read it empty.
+        partial = Path(f"{path}.{os.getpid()}.tmp")
+        partial.write_text(str(os.getpid()))
+        partial.replace(path)
     timeout_s = float(task.get("wait_timeout_s", 30))
     if "wait_file" in task and not wait_for(lambda: Path(task["wait_file"]).exists(), timeout_s):
         print(f"gave up waiting for {task['wait_file']}", file=sys.stderr)
