@@ -42,21 +42,12 @@ if __package__ in (None, ""):  # run as `python bench/overlap.py`: make `bench.*
 
 import aiohttp
 import msgspec
-from bench._common import (
-    AckPendingProbe,
-    BatchWatch,
-    Infra,
-    batch_request,
-    consumer_limit,
-    fmt,
-    mean,
-    pause,
-    pipeline_stack,
-    quiet_logs,
-    report,
-    resume,
-    running,
-)
+from bench._consumers import AckPendingProbe, consumer_limit, pause, resume
+from bench._infra import Infra, pipeline_stack, quiet_logs, running
+from bench._report import fmt, report
+from bench._stats import mean
+from bench._watch import BatchWatch
+from bench._workload import batch_request
 
 from evalbus.testing.platforms import PlatformServer, start_mlflow
 from evalbus_contracts import (

@@ -34,25 +34,12 @@ if __package__ in (None, ""):  # run as `python bench/recorder.py`: make `bench.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import asyncpg
-from bench._common import (
-    RULE_JUDGE,
-    ZERO_HARNESS,
-    CpuMeter,
-    Infra,
-    batch_request,
-    case_ids,
-    consumer_limit,
-    drained,
-    fmt,
-    pause,
-    percentile,
-    pipeline_stack,
-    quiet_logs,
-    report,
-    resume,
-    running,
-    sample_events,
-)
+from bench._consumers import consumer_limit, drained, pause, resume
+from bench._cpu import CpuMeter
+from bench._infra import Infra, pipeline_stack, quiet_logs, running
+from bench._report import fmt, report
+from bench._stats import percentile
+from bench._workload import RULE_JUDGE, ZERO_HARNESS, batch_request, case_ids, sample_events
 
 from evalbus_contracts import CasePlan, decode_event, encode
 from evalbus_contracts.events import EventBase

@@ -44,26 +44,13 @@ if __package__ in (None, ""):  # run as `python bench/throughput.py`: make `benc
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import chassis
-from bench._common import (
-    RULE_JUDGE,
-    ZERO_HARNESS,
-    BatchWatch,
-    CpuMeter,
-    Infra,
-    batch_request,
-    consumer_limit,
-    drained,
-    fmt,
-    mean,
-    percentile,
-    pipeline_stack,
-    quiet_logs,
-    report,
-    running,
-    sample_events,
-    set_consumer,
-    stack_pids,
-)
+from bench._consumers import consumer_limit, drained, set_consumer
+from bench._cpu import CpuMeter, stack_pids
+from bench._infra import Infra, pipeline_stack, quiet_logs, running
+from bench._report import fmt, report
+from bench._stats import mean, percentile
+from bench._watch import BatchWatch
+from bench._workload import RULE_JUDGE, ZERO_HARNESS, batch_request, sample_events
 
 from evalbus_contracts import CaseExecuted, CasePlan, CaseRequested, CaseSpec
 from evalbus_contracts.events import EventBase
