@@ -32,6 +32,7 @@ from evalbus_contracts import DeadLetter, decode_event
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import ConsumerDef, max_deliveries_advisory
 from evalbus_runtime.errors import Poison, PublishFailedError, Retry
+from evalbus_runtime.faults import NO_FAULTS, FaultPoint, Faults
 from evalbus_runtime.logs import batch_id_var, run_id_var
 from evalbus_runtime.metrics import ServiceMetrics
 from evalbus_runtime.publisher import Publisher
@@ -114,8 +115,10 @@ class ConsumerLoop:
         *,
         service: str,
         metrics: ServiceMetrics,
+        faults: Faults = NO_FAULTS,
     ) -> None:
         self._nc = nc
+        self._faults = faults
         self._pub = publisher
         self._stage = stage
         self._service = service
@@ -304,6 +307,8 @@ class ConsumerLoop:
             try:
                 with message_span(f"{self._label} process", headers, {"messaging.destination": delivery.subject}):
                     outputs = await self._stage.handler(event, delivery)
+                    if self._faults.armed:
+                        self._fault("before_publish", event)
                     if outputs:
                         await self._pub.publish_events(outputs)
                         for out in outputs:
@@ -316,6 +321,8 @@ class ConsumerLoop:
                 batch_id_var.reset(batch_token)
             if not outputs:
                 outcome = "ignored"
+            if self._faults.armed:
+                self._fault("before_ack", event)
             await msg.ack()
         except Poison as p:
             outcome = "poison"
@@ -343,6 +350,9 @@ class ConsumerLoop:
             self._outcomes[outcome].inc()
             self._handle_hist.observe(time.monotonic() - started)
             delivery.release_slot()
+
+    def _fault(self, point: FaultPoint, event: Any) -> None:
+        self._faults.check(point, self._label, str(getattr(event, "type", "")), getattr(event, "run_id", None))
 
     def _backoff(self, delivery: Delivery) -> float:
         return float(min(self._stage.retry_base_s * (2 ** (delivery.num_delivered - 1)), self._stage.retry_max_s))

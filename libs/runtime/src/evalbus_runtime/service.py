@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
 from aiohttp import web
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
@@ -25,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from evalbus_contracts.streams import STREAMS
 from evalbus_runtime.bus import connect, ensure_consumer, ensure_topology
 from evalbus_runtime.consumer import ConsumerLoop, Stage
+from evalbus_runtime.faults import Faults
 from evalbus_runtime.logs import configure_logging
 from evalbus_runtime.metrics import ServiceMetrics
 from evalbus_runtime.publisher import Publisher
@@ -60,11 +63,15 @@ class Service:
         self._stop = asyncio.Event()
         self._started = asyncio.Event()
         self.http_port: int | None = None
+        self._faults = Faults.from_setting(settings.fault_kill)
 
     # ------------------------------------------------------------ wiring
 
     def add_stage(self, stage: Stage) -> None:
-        """Run `stage` once the service starts."""
+        """Run `stage` once the service starts (with the service's `ack_wait_s`, when set)."""
+        if self.settings.ack_wait_s is not None:
+            consumer = msgspec.structs.replace(stage.consumer, ack_wait_s=self.settings.ack_wait_s)
+            stage = dataclasses.replace(stage, consumer=consumer)
         self._stages.append(stage)
 
     def on_start(self, hook: Hook) -> None:
@@ -123,10 +130,14 @@ class Service:
         for hook in self._on_start:
             await hook(self)
         for stage in self._stages:
-            loop = ConsumerLoop(self._nc, self._publisher, stage, service=self.name, metrics=self.metrics)
+            loop = ConsumerLoop(
+                self._nc, self._publisher, stage, service=self.name, metrics=self.metrics, faults=self._faults
+            )
             await loop.start()
             self._loops.append(loop)
         self._started.set()
+        if self._faults.armed:
+            log.warning("fault points armed (test only): %s", self.settings.fault_kill)
         log.info("started", extra={"fields": {"http_port": self.http_port, "settings": self.settings.redacted()}})
 
     async def stop(self) -> None:

@@ -45,6 +45,14 @@ class ServiceSettings(msgspec.Struct, kw_only=True):
     """OTLP/HTTP endpoint for the service's own spans (unset: spans are not exported)."""
     state_dir: str | None = None
     """Local folder for the service's files (`EVALBUS_STATE_DIR`)."""
+    ack_wait_s: float | None = None
+    """`ack_wait` of the consumers this service reads, seconds (unset: each consumer's contract
+    default, 30 or 60 s): how long a message a dead replica held waits before it is redelivered.
+    Healthy replicas send `in_progress` every third of it, so a short value is safe while the
+    event loop keeps running."""
+    fault_kill: str | None = None
+    """TEST ONLY: deterministic SIGKILL points, `<point>:<consumer>:<event type>:<run id>[;…]`
+    (see `evalbus_runtime.faults`). Never set in a deployment."""
 
     def __repr__(self) -> str:
         fields = []

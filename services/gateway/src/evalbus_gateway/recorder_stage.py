@@ -56,6 +56,11 @@ class RecordedPayload:
     """The payload decoded."""
 
     @property
+    def type(self) -> str:
+        """The event's type (the chassis matches fault points on it)."""
+        return self.event.type
+
+    @property
     def run_id(self) -> str | None:
         """The event's run id (the chassis puts it in the log context)."""
         return self.event.run_id
