@@ -11,16 +11,9 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from evalbus.testing.bus import (
-    Marks,
-    Workers,
-    await_until,
-    dead_letters,
-    executed_count,
-    make_consumer,
-    request,
-    wait_until,
-)
+from evalbus.testing.bus import Marks, Workers, dead_letters, executed_count, make_consumer, request
+from evalbus.testing.pipeline import eventually
+from evalbus_contracts.streams import ConsumerDef
 from evalbus_contracts.subjects import case_subject
 from evalbus_runtime import Publisher
 
@@ -29,6 +22,22 @@ pytestmark = [pytest.mark.integration]
 
 def _batch() -> str:
     return f"b{uuid.uuid4().hex[:8]}"
+
+
+async def all_acked(nc: NatsClient, consumer: ConsumerDef, *, deliveries: int) -> bool:
+    """Whether `consumer` made exactly `deliveries` deliveries and acked them all, with nothing
+    left to deliver or redeliver."""
+    info = await nc.jetstream().consumer_info(consumer.stream, consumer.durable)
+    assert info.delivered is not None
+    assert info.delivered.consumer_seq <= deliveries, info
+    return (
+        info.delivered.consumer_seq == deliveries
+        and info.ack_floor is not None
+        and info.ack_floor.consumer_seq == deliveries
+        and info.num_pending == 0
+        and info.num_ack_pending == 0
+        and info.num_redelivered == 0
+    )
 
 
 async def test_sigkill_mid_message_is_redelivered_and_output_once(
@@ -40,17 +49,21 @@ async def test_sigkill_mid_message_is_redelivered_and_output_once(
     marks = Marks(tmp_path / "marks")
     victim = workers.start(consumer, marks, worker_work_s="30", worker_service=f"w{batch}")
     await pub.publish_event(request(batch, "c1"))
-    await asyncio.to_thread(wait_until, lambda: marks.count("start") == 1, 20, "the first worker to start c1")
+    await eventually(lambda: marks.count("start") == 1, timeout_s=20, what="the first worker to start c1")
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     assert marks.count("end") == 0
     workers.start(consumer, marks, worker_work_s="0", worker_service=f"w{batch}")
-    await await_until(lambda: marks.count("end") == 1, 30, "the second worker to finish c1")
+    await eventually(lambda: marks.count("end") == 1, timeout_s=30, what="the second worker to finish c1")
     starts = [line for line in marks.lines() if line[0] == "start"]
     assert [s[2] for s in starts] == ["1", "2"]  # delivery counts: redelivered after the crash
-    await await_until(lambda: True)
-    counts = await executed_count(nc, batch)
-    assert counts == {"c1": 1}
+    # The chassis acks only after the output is stored. Once the consumer has acked every delivery
+    # it made and holds nothing pending, no further delivery (and so no second output) can come.
+    await eventually(
+        lambda: all_acked(nc, consumer, deliveries=2), timeout_s=30, what="both deliveries of c1 to be acked"
+    )
+    assert await executed_count(nc, batch) == {"c1": 1}
+    assert marks.count("start") == 2
 
 
 async def test_poison_goes_to_dlq_while_next_messages_flow(
@@ -70,10 +83,7 @@ async def test_poison_goes_to_dlq_while_next_messages_flow(
     async def settled() -> bool:
         return len(await executed_count(nc, batch)) == 5 and len(await dead_letters(nc, service)) == 2
 
-    for _ in range(500):
-        if await settled():
-            break
-        await asyncio.sleep(0.05)
+    await eventually(settled, timeout_s=25, what="five outputs and two dead letters")
     letters = await dead_letters(nc, service)
     reasons = sorted(letter.reason for letter in letters)
     assert len(letters) == 2
@@ -95,10 +105,11 @@ async def test_retryable_error_backs_off_then_dead_letters_after_max_deliver(
     marks = Marks(tmp_path / "marks")
     workers.start(make_consumer(batch, max_deliver=4), marks, worker_mode="fail", worker_service=service)
     await pub.publish_event(request(batch, "c1"))
-    for _ in range(600):
-        if await dead_letters(nc, service):
-            break
-        await asyncio.sleep(0.05)
+
+    async def dead_lettered() -> bool:
+        return bool(await dead_letters(nc, service))
+
+    await eventually(dead_lettered, timeout_s=30, what="c1 to be dead-lettered")
     letters = await dead_letters(nc, service)
     assert len(letters) == 1
     assert letters[0].deliveries == 4
@@ -126,7 +137,7 @@ async def test_max_ack_pending_bounds_concurrency_across_two_workers(
     n = 18
     for i in range(n):
         await pub.publish_event(request(batch, f"c{i}"))
-    await await_until(lambda: marks.count("end") == n, 60, "all cases handled")
+    await eventually(lambda: marks.count("end") == n, timeout_s=60, what="all cases handled")
     events = sorted(
         ((float(parts[3]), 1 if parts[0] == "start" else -1, parts[4]) for parts in marks.lines()),
         key=lambda e: (e[0], e[1]),
@@ -152,7 +163,7 @@ async def test_graceful_shutdown_finishes_in_flight_work(
     proc = workers.start(make_consumer(batch), marks, worker_work_s="1.5", worker_service=f"w{batch}")
     for i in range(3):
         await pub.publish_event(request(batch, f"c{i}"))
-    await asyncio.to_thread(wait_until, lambda: marks.count("start") == 3, 20, "three messages in flight")
+    await eventually(lambda: marks.count("start") == 3, timeout_s=20, what="three messages in flight")
     proc.send_signal(signal.SIGTERM)
     code = await asyncio.to_thread(proc.wait, 30)
     assert code == 0
@@ -199,10 +210,11 @@ async def test_exhausted_deliveries_without_answer_are_dead_lettered_from_the_ad
         # (as every live replica does); it must come back empty.
         with pytest.raises(TimeoutError):
             await psub.fetch(1, timeout=2)
-        for _ in range(400):
-            if await dead_letters(nc, service):
-                break
-            await asyncio.sleep(0.05)
+
+        async def dead_lettered() -> bool:
+            return bool(await dead_letters(nc, service))
+
+        await eventually(dead_lettered, timeout_s=20, what="the exhausted message to be dead-lettered")
         letters = await dead_letters(nc, service)
         assert len(letters) == 1
         assert "max_deliver exhausted" in letters[0].reason
