@@ -6,14 +6,14 @@ for a batch already complete, and from the start-up sweep)."""
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import asyncpg
 import pytest
 from nats.aio.client import Client as NatsClient
 
+from evalbus.testing.pipeline import eventually
 from evalbus_contracts import BatchFinalized, DeadLetter, EventBase, decode_event, encode, encode_token
 from evalbus_contracts.streams import GATEWAY_RECORDER
 from evalbus_gateway.store import RecordedMessage, RecordOutcome, get_batch, record
@@ -38,15 +38,6 @@ def new_batch_id() -> str:
     return "b" + uuid.uuid4().hex[:12]
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 20.0) -> None:
-    """Wait for an observable condition, with a deadline."""
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 async def publish(pub: Publisher, events: Sequence[EventBase]) -> None:
     for event in events:
         await pub.publish_event(event)
@@ -55,6 +46,11 @@ async def publish(pub: Publisher, events: Sequence[EventBase]) -> None:
 async def stored(pool: asyncpg.Pool[asyncpg.Record], batch_id: str) -> list[str]:
     rows = await pool.fetch("SELECT type FROM events WHERE batch_id = $1 ORDER BY stream_seq", batch_id)
     return [str(r["type"]) for r in rows]
+
+
+async def stored_seqs(pool: asyncpg.Pool[asyncpg.Record], batch_id: str) -> list[int]:
+    rows = await pool.fetch("SELECT stream_seq FROM events WHERE batch_id = $1 ORDER BY stream_seq", batch_id)
+    return [int(r["stream_seq"]) for r in rows]
 
 
 async def count_on_stream(nc: NatsClient, subject: str) -> int:
@@ -77,6 +73,12 @@ async def ack_pending(nc: NatsClient) -> int:
     return int(info.num_ack_pending)
 
 
+async def recorder_idle(nc: NatsClient) -> bool:
+    """The recorder's consumer has delivered everything on the stream and holds no unacked message."""
+    info = await nc.jetstream().consumer_info("CASES", GATEWAY_RECORDER.durable)
+    return bool(info.num_pending == 0 and info.num_ack_pending == 0)
+
+
 # ---------------------------------------------------------------- tests
 
 
@@ -94,7 +96,7 @@ async def test_records_a_batch_and_publishes_batch_finalized_once(
             view = await get_batch(pool, script.batch_id)
             return view is not None and view.finalized_at is not None
 
-        await eventually(finalized_recorded, "batch.finalized recorded")
+        await eventually(finalized_recorded, timeout_s=20, what="batch.finalized recorded")
         view = await get_batch(pool, script.batch_id)
         assert view is not None
         assert view.status == "succeeded"
@@ -114,7 +116,9 @@ async def test_records_a_batch_and_publishes_batch_finalized_once(
         async def cancel_recorded() -> bool:
             return "batch.cancelled" in await stored(pool, script.batch_id)
 
-        await eventually(cancel_recorded, "late batch.cancelled recorded")
+        await eventually(cancel_recorded, timeout_s=20, what="late batch.cancelled recorded")
+        # Once the recorder has acked the cancel, any finalisation it caused was published.
+        await eventually(lambda: recorder_idle(nc), timeout_s=20, what="the recorder to ack the cancel")
         assert await count_on_stream(nc, f"batch.finalized.{script.batch_id}") == 1
 
 
@@ -136,25 +140,34 @@ async def test_acks_wait_for_the_commit(
         return outcome
 
     script = BatchScript(new_batch_id(), batch_spec(("c1",)))
+    events = [script.requested(), *script.case_events("c1")]
+    # What earlier tests of the module left on the stream is recorded first, so that the held
+    # transaction holds this test's messages and nothing else.
+    async with running_gateway(gw_nats, database_url):
+        await eventually(lambda: recorder_idle(nc), timeout_s=20, what="the recorder to catch up")
     async with running_gateway(gw_nats, database_url, record_with=gated):
-        await publish(pub, [script.requested(), *script.case_events("c1")])
+        seqs = [(await pub.publish_event(e)).seq for e in events]
         await asyncio.wait_for(held.wait(), 10)
 
         async def all_delivered_unacked() -> bool:
-            return await ack_pending(nc) >= 1
+            return await ack_pending(nc) == len(events)
 
-        await eventually(all_delivered_unacked, "messages delivered to the recorder")
+        await eventually(all_delivered_unacked, timeout_s=20, what="every message delivered to the recorder")
         assert await stored(pool, script.batch_id) == []
         assert committed == []
-        assert await ack_pending(nc) >= 1
+        assert await ack_pending(nc) == len(events)
 
         gate.set()
 
-        async def acked() -> bool:
-            return await ack_pending(nc) == 0 and len(await stored(pool, script.batch_id)) >= 5
+        async def recorded_and_acked() -> bool:
+            # The batch's messages and the `batch.finalized` their commit triggered.
+            return len(await stored(pool, script.batch_id)) == len(events) + 1 and await recorder_idle(nc)
 
-        await eventually(acked, "acks after the commit")
-        assert committed, "acks came only after a committed write"
+        await eventually(recorded_and_acked, timeout_s=20, what="the batch recorded and every message acked")
+        assert (await stored(pool, script.batch_id))[-1] == "batch.finalized"
+        # Every message went through the held write exactly once: the acks came after its commit.
+        assert sorted(committed) == await stored_seqs(pool, script.batch_id)
+        assert set(seqs) < set(committed)
 
 
 async def test_a_failed_write_is_retried_and_recorded_once(
@@ -176,7 +189,7 @@ async def test_a_failed_write_is_retried_and_recorded_once(
         async def finalized() -> bool:
             return "batch.finalized" in await stored(pool, script.batch_id)
 
-        await eventually(finalized, "the batch recorded and finalized after the retry")
+        await eventually(finalized, timeout_s=20, what="the batch recorded and finalized after the retry")
     assert failures["left"] == 0
     types = await stored(pool, script.batch_id)
     assert len(types) == len(set(types)) == 6
@@ -198,12 +211,12 @@ async def test_poison_goes_to_the_dlq_and_recording_continues(
         async def requested_recorded() -> bool:
             return await stored(pool, batch_id) == ["batch.requested"]
 
-        await eventually(requested_recorded, "the valid event after the poison recorded")
+        await eventually(requested_recorded, timeout_s=20, what="the valid event after the poison recorded")
 
         async def dead_lettered() -> bool:
             return await count_on_stream_dlq(nc, "dlq.gateway") > 0
 
-        await eventually(dead_lettered, "the poison dead-lettered")
+        await eventually(dead_lettered, timeout_s=20, what="the poison dead-lettered")
     letters = await read_dlq(nc, "dlq.gateway")
     mine = [d for d in letters if d.subject_ == subject]
     assert len(mine) == 1
@@ -254,7 +267,7 @@ async def test_a_cancelled_batch_ends_cancelled_with_a_partial_summary(
         async def finalized() -> bool:
             return await finalized_on_stream(nc, script.batch_id) is not None
 
-        await eventually(finalized, "batch.finalized")
+        await eventually(finalized, timeout_s=20, what="batch.finalized")
     event = await finalized_on_stream(nc, script.batch_id)
     assert event is not None
     assert event.status == "cancelled"
@@ -284,10 +297,14 @@ async def test_a_cancel_of_an_already_complete_batch_finalizes_it(
         async def finalized() -> bool:
             return await finalized_on_stream(nc, script.batch_id) is not None
 
-        await eventually(finalized, "batch.finalized after the cancel")
+        await eventually(finalized, timeout_s=20, what="batch.finalized after the cancel")
     event = await finalized_on_stream(nc, script.batch_id)
     assert event is not None
-    assert event.status in {"succeeded", "cancelled"}
+    # Nothing finalized the batch before the cancel was recorded (the start-up sweep ran before
+    # the events were written), so the recorded cancel decides the status.
+    assert event.status == "cancelled"
+    assert event.summary.verdicts.passed == 1
+    assert event.summary.counts.cancelled == 0
 
 
 async def test_the_start_up_sweep_finalizes_a_complete_batch(
