@@ -11,7 +11,7 @@ import msgspec
 
 
 def rounded(out: Mapping[str, Any], digits: int = 3) -> dict[str, Any]:
-    """`out` with floats rounded (recursively) for printing."""
+    """`out` with floats rounded (recursively) for printing; Structs (goals) as plain dicts."""
 
     def fix(value: Any) -> Any:
         if isinstance(value, float):
@@ -22,7 +22,7 @@ def rounded(out: Mapping[str, Any], digits: int = 3) -> dict[str, Any]:
             return [fix(v) for v in value]
         return value
 
-    return {k: fix(v) for k, v in out.items()}
+    return {k: fix(v) for k, v in msgspec.to_builtins(out).items()}
 
 
 def report(out: Mapping[str, Any], rows: Sequence[tuple[str, ...]], notes: Sequence[str], as_json: bool) -> None:
