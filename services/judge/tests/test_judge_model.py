@@ -22,6 +22,7 @@ import msgspec
 import pytest
 from aiohttp import web
 
+from evalbus.testing.pipeline import eventually
 from evalbus_contracts import (
     CaseExecuted,
     CasePlan,
@@ -125,6 +126,8 @@ class ChatCompletionsServer:
         self.script: deque[Reply] = deque()
         self.default = verdict_reply(1.0, True)
         self.requests: list[Recorded] = []
+        self.abandoned: list[int] = []
+        """Indexes (into `requests`) of hanging requests whose client hung up."""
         self.protocol_errors: list[str] = []
         self._release = asyncio.Event()
         self._runner: web.AppRunner | None = None
@@ -189,7 +192,12 @@ class ChatCompletionsServer:
                 error_body("Incorrect API key provided.", "invalid_request_error", "invalid_api_key"), status=401
             )
         if reply.hang:
-            await self._release.wait()
+            index = len(self.requests) - 1
+            try:
+                await self._release.wait()
+            except asyncio.CancelledError:  # the client closed the connection (handler_cancellation)
+                self.abandoned.append(index)
+                raise
         if reply.raw is not None:
             return web.Response(status=reply.status, body=reply.raw, headers=reply.headers)
         return web.json_response(reply.body, status=reply.status, headers=reply.headers)
@@ -420,9 +428,18 @@ async def test_timeout_after_retries_is_grader_timeout(server: ChatCompletionsSe
 
 
 async def test_timeout_then_success(server: ChatCompletionsServer, chat: ChatClient) -> None:
-    server.push(Reply(hang=True), verdict_reply(0.9, True))
+    server.push(Reply(hang=True), verdict_reply(0.9, True, "names Paris"))
     score = await run(chat, spec(f"{server.root}/v1", timeout_s=0.3, max_retries=1))
-    assert isinstance(score, Measured)
+    # The first request never got an answer, so this verdict is the retry's.
+    assert score == Measured(
+        grader_id="quality", metric="judge:quality", source="judge", value=0.9, passed=True, detail="names Paris"
+    )
+    first, second = server.requests
+    assert second.body == first.body  # the same request, sent again
+    assert second.headers["Authorization"] == f"Bearer {API_KEY}"
+    assert server.protocol_errors == []
+    # The client gave up on the first request (it hung up), rather than the server answering it.
+    await eventually(lambda: server.abandoned == [0], timeout_s=10, what="the hung request to be abandoned")
 
 
 async def test_client_error_is_not_retried(server: ChatCompletionsServer, chat: ChatClient) -> None:
