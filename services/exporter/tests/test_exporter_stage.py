@@ -4,13 +4,14 @@ across replicas (the consumer's max_ack_pending)."""
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import pytest
+from nats.aio.client import Client as NatsClient
 
 from evalbus.infra.nats import NatsServer
+from evalbus.testing.pipeline import eventually
 from evalbus_contracts import (
     CaseExported,
     CaseJudged,
@@ -22,6 +23,7 @@ from evalbus_contracts import (
     decode_event,
     encode_token,
 )
+from evalbus_contracts.streams import EXPORTER_CASES
 from evalbus_exporter.service import ExporterSettings, build_exporter
 from evalbus_exporter.sinks.base import CaseSink
 from evalbus_runtime import Publisher, Service, connect, ensure_topology
@@ -29,31 +31,75 @@ from evalbus_runtime import Publisher, Service, connect, ensure_topology
 pytestmark = pytest.mark.integration
 
 
+@dataclass
+class Exports:
+    """What the sinks of one test did: exports running now, the most at once, the runs exported."""
+
+    running: int = 0
+    peak: int = 0
+    done: list[str] = field(default_factory=list)
+
+
 class SlowSink:
-    """Records how many exports run at once."""
+    """Takes a while per export and counts them in `Exports`."""
 
     name = "slow"
-    running = 0
-    peak = 0
-    done = 0
+
+    def __init__(self, exports: Exports) -> None:
+        self.exports = exports
 
     async def export(self, judged: CaseJudged) -> SinkOutcome:
-        SlowSink.running += 1
-        SlowSink.peak = max(SlowSink.peak, SlowSink.running)
+        exports = self.exports
+        exports.running += 1
+        exports.peak = max(exports.peak, exports.running)
         await asyncio.sleep(0.1)  # the export's own work, not a synchronisation
-        SlowSink.running -= 1
-        SlowSink.done += 1
+        exports.running -= 1
+        exports.done.append(judged.run_id or "")
         return SinkOutcome(sink=self.name, status="ok", external_id=judged.run_id)
 
     async def close(self) -> None:
         return None
 
 
-async def test_two_replicas_export_every_case_once_and_never_more_than_two_at_once(
-    fresh_nats: NatsServer, tmp_path: Path
-) -> None:
+async def exporter_caught_up(nc: NatsClient, last_seq: int, deliveries: int) -> bool:
+    """Whether the exporter's consumer delivered up to stream sequence `last_seq` in exactly
+    `deliveries` deliveries and acked them all, with nothing left to deliver or redeliver."""
+    info = await nc.jetstream().consumer_info("CASES", EXPORTER_CASES.durable)
+    assert info.delivered is not None
+    assert info.delivered.consumer_seq <= deliveries, f"redelivered: {info}"
+    return bool(
+        info.delivered.stream_seq >= last_seq
+        and info.ack_floor is not None
+        and info.ack_floor.consumer_seq == deliveries
+        and info.num_pending == 0
+        and info.num_ack_pending == 0
+        and info.num_redelivered == 0
+    )
+
+
+async def exported_on_stream(nc: NatsClient, batch: str) -> list[CaseExported]:
+    """Every `case.exported` of `batch` the stream holds."""
+    js = nc.jetstream()
+    subject = f"case.exported.{encode_token(batch)}.*"
+    info = await js.stream_info("CASES", subjects_filter=subject)
+    total = sum((info.state.subjects or {}).values())
+    out: list[CaseExported] = []
+    sub = await js.subscribe(subject, ordered_consumer=True)
+    try:
+        for _ in range(total):
+            event = decode_event((await sub.next_msg(timeout=5)).data)
+            assert isinstance(event, CaseExported)
+            out.append(event)
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+async def test_two_replicas_export_every_case_once_and_never_more_than_two_at_once(fresh_nats: NatsServer) -> None:
+    exports = Exports()
+
     def factory(spec: SinkSpec, batch_id: str) -> CaseSink:
-        return SlowSink()
+        return SlowSink(exports)
 
     services = []
     for _ in range(2):
@@ -67,9 +113,10 @@ async def test_two_replicas_export_every_case_once_and_never_more_than_two_at_on
     batch = f"b{uuid.uuid4().hex[:6]}"
     n = 12
     try:
+        seqs: list[int] = []
         for i in range(n):
             result = CaseResult(case_id=f"c{i}", run_id=f"evb-{batch}-c{i}", harness="h@1")
-            await pub.publish_event(
+            ack = await pub.publish_event(
                 CaseJudged(
                     batch_id=batch,
                     case_id=f"c{i}",
@@ -79,19 +126,21 @@ async def test_two_replicas_export_every_case_once_and_never_more_than_two_at_on
                     plan=CasePlan(sinks=(JsonlSink(path="unused.jsonl"),)),
                 )
             )
-        exported: dict[str, CaseExported] = {}
-        sub = await nc.jetstream().subscribe(f"case.exported.{encode_token(batch)}.*", ordered_consumer=True)
-        deadline = time.monotonic() + 30
-        while len(exported) < n and time.monotonic() < deadline:
-            msg = await sub.next_msg(timeout=10)
-            ev = decode_event(msg.data)
-            assert isinstance(ev, CaseExported)
-            assert ev.run_id not in exported
-            exported[ev.run_id or ""] = ev
-        assert len(exported) == n
-        assert all(ev.status == "exported" for ev in exported.values())
-        assert SlowSink.peak <= 2
-        assert SlowSink.peak == 2  # the limit was reached, so it is what held
+            seqs.append(ack.seq)
+        # Every case stored, delivered once and acked (the chassis acks after its output is
+        # stored): nothing is left that could be exported or published again.
+        await eventually(
+            lambda: exporter_caught_up(nc, max(seqs), n),
+            timeout_s=30,
+            what=f"the exporter to ack all {n} cases",
+        )
+        exported = await exported_on_stream(nc, batch)
+        run_ids = [f"evb-{batch}-c{i}" for i in range(n)]
+        assert sorted(ev.run_id or "" for ev in exported) == sorted(run_ids)
+        assert all(ev.status == "exported" for ev in exported)
+        assert sorted(exports.done) == sorted(run_ids)  # each case through a sink exactly once
+        assert exports.peak <= 2
+        assert exports.peak == 2  # the limit was reached, so it is what held
     finally:
         for svc in services:
             await svc.stop()
