@@ -64,3 +64,17 @@ bench:
       case "$(basename "$f")" in _*|plugins.py) continue;; esac
       echo "== $f"; {{run}} python "$f"
     done
+
+# Run every benchmark in bench/ with --check: exit 1 naming the benchmarks that missed a goal.
+bench-check:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    shopt -s nullglob
+    failed=()
+    for f in bench/*.py; do
+      case "$(basename "$f")" in _*|plugins.py) continue;; esac
+      echo "== $f --check"
+      {{run}} python "$f" --check || failed+=("$f")
+    done
+    if [ ${#failed[@]} -gt 0 ]; then echo "goals missed in: ${failed[*]}" >&2; exit 1; fi
+    echo "every benchmark met its goals"
