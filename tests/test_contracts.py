@@ -35,6 +35,7 @@ from evalbus_contracts import (
     subjects,
     to_builtins,
 )
+from evalbus_contracts.codec import NewerSchemaError
 from evalbus_contracts.events import Event, EventBase
 
 pytestmark = pytest.mark.unit
@@ -115,8 +116,20 @@ def _field_strategy(f: mi.Field) -> st.SearchStrategy[Any]:
 
 
 def events_of(kind: type[EventBase]) -> st.SearchStrategy[EventBase]:
-    """Arbitrary events of one type."""
-    return _struct_strategy(kind)
+    """Arbitrary events of one type, of a schema version this code knows (a newer one is refused:
+    `test_a_newer_schema_version_is_refused`)."""
+    known = st.integers(min_value=1, max_value=kind.SCHEMA_VERSION)
+    return st.builds(lambda event, v: replace(event, v=v), _struct_strategy(kind), known)
+
+
+@pytest.mark.parametrize("kind", EVENT_TYPES, ids=lambda k: str(k.__struct_config__.tag))
+@SETTINGS
+@given(data=st.data(), ahead=st.integers(min_value=1, max_value=1000))
+def test_a_newer_schema_version_is_refused(kind: type[EventBase], data: st.DataObject, ahead: int) -> None:
+    doc = to_builtins(data.draw(events_of(kind)))
+    doc["v"] = kind.SCHEMA_VERSION + ahead
+    with pytest.raises(NewerSchemaError, match=f"{kind.__struct_config__.tag} schema version"):
+        decode_event(encode(doc))
 
 
 # ---------------------------------------------------------------- round trip

@@ -1,21 +1,38 @@
 """Crash-resume: for each of the dispatcher, the judge, the exporter and the gateway (its
-recorder), SIGKILL the service while it holds an unacknowledged message of a batch, start it
-again, and prove the batch ends exactly as an undisturbed run of the same deterministic suite:
+recorder), SIGKILL the service in the two windows of the delivery contract, start it again, and
+prove each batch ends exactly as an undisturbed run of the same deterministic suite:
 
+1. **mid-message** — the service holds an unacknowledged message whose output is not published
+   yet: the batch is held at a rendezvous the test controls (agents waiting for a gate file; a
+   judge waiting for one; the OTLP receiver behind a sink holding a request; the recorder blocked
+   on its PostgreSQL advisory lock), and the test checks that the target's consumer has messages
+   pending acknowledgement when it kills. The redelivery does the work for the first time.
+2. **after the PubAck, before the ack** — a deterministic fault point of the chassis
+   (`FAULT_KILL=before_ack:…`, `evalbus_runtime.faults`) SIGKILLs the service right after
+   JetStream acknowledged its output for case c04 (for the gateway: right after the recorder's
+   transaction holding c04's `case.exported` committed) and before it acks the input. The
+   redelivery does the work a SECOND time and publishes (records) it again: only `Nats-Msg-Id`
+   deduplication and the store's first-write-wins keep the batch exactly once. The dispatcher is
+   also killed after its fan-out's PubAcks, before it acks the `batch.requested`.
+
+What is proved for every batch:
 - the same status and the same scorecard (summary and export status; latency metrics excluded,
-  being timings), compared with an undisturbed batch run on the same pipeline just before;
+  being timings) as an undisturbed batch run on the same pipeline just before;
 - every run exactly once per stage, in the event store (rows of `events` per run and type, no
   refused duplicates) and on the stream (`case.*` messages per run and type in CASES: a duplicate
   there would mean a publish escaped the `Nats-Msg-Id` dedupe window);
 - every run's trajectory sealed and intact (`verify_batch`), every case once in the jsonl export.
 
-Each kill is made mid-message, and deterministically so: the batch is held at a rendezvous the
-test controls (agents waiting for a gate file; a judge waiting for one; the OTLP receiver behind a
-sink holding a request; the recorder blocked on its PostgreSQL advisory lock), and the test checks
-that the target's consumer has messages pending acknowledgement when it kills. Those messages are
-redelivered only after the consumer's `ack_wait` (30 s for the dispatcher and the recorder, 60 s
-for the judge and the exporter), so the four scenarios run concurrently, each on a pipeline of its
-own (nats-server, database, five services), and the tests assert on what each scenario recorded.
+What breaking deduplication does to it (checked by hand, with the publisher's `Nats-Msg-Id` made
+unique per publish): every after-PubAck window fails `assert_exactly_once` — the CASES stream
+holds the re-published event twice (for the gateway, the re-published `batch.finalized`) and the
+recorder refuses the second copy as a duplicate (`rejections` is not empty) — while every
+mid-message window still passes, since there the killed replica had published nothing.
+
+The services run with `ACK_WAIT_S=10` (healthy replicas send `in_progress` every third of it),
+so a message a killed replica held is redelivered after 10 s; the four targets run concurrently,
+each on a pipeline of its own (nats-server, database, five services), and the tests assert on
+what each scenario recorded.
 """
 
 from __future__ import annotations
@@ -64,7 +81,14 @@ from evalbus_contracts import (
     TestsPassGrader,
     batch_run_id,
 )
-from evalbus_contracts.streams import DISPATCHER_CASES, EXPORTER_CASES, GATEWAY_RECORDER, JUDGE_CASES, ConsumerDef
+from evalbus_contracts.streams import (
+    DISPATCHER_BATCHES,
+    DISPATCHER_CASES,
+    EXPORTER_CASES,
+    GATEWAY_RECORDER,
+    JUDGE_CASES,
+    ConsumerDef,
+)
 from evalbus_gateway.store import BatchVerifyResult, BatchView, RunView
 from evalbus_gateway.store.recorder import RECORDER_LOCK
 
@@ -79,8 +103,12 @@ TIMING_METRICS = ("latency",)
 MEAN_REL_TOL = 1e-9
 """How close two runs' metric means must be (sums of the same floats in another order)."""
 STAGE_TYPES = ("case.requested", "case.executed", "case.judged", "case.exported")
-FINISH_TIMEOUT_S = 150.0
-"""Longest wait for a crashed batch: the 60 s ack_wait of the judge and exporter, plus margin."""
+FINISH_TIMEOUT_S = 120.0
+"""Longest wait for a crashed batch: a redelivery (ACK_WAIT_S), a restart, the rest of the batch."""
+ACK_WAIT_S = "10"
+"""The services' `ack_wait`: how long a message a killed replica held waits for redelivery."""
+FAULT_CASE = "c04"
+"""The case whose output a fault point kills the target after (a case no rendezvous holds)."""
 
 
 # ---------------------------------------------------------------- the suite
@@ -210,12 +238,30 @@ class BatchFacts:
 
 
 @dataclass
+class FaultWindow:
+    """A batch whose target was killed by a fault point after its output's PubAck, before its ack."""
+
+    fault: str
+    """The `FAULT_KILL` value the target ran with."""
+    exit_code: int
+    """How the target ended (-9: SIGKILL)."""
+    outputs_at_kill: int
+    """The output of the faulted message, as stored when the target died (1: it got its PubAck)."""
+    ack_pending_at_kill: int
+    """Messages of the target's consumer delivered and not acknowledged when it died."""
+    stall_s: float
+    """From the target's death to the batch's finalisation."""
+    facts: BatchFacts
+
+
+@dataclass
 class CrashRun:
     """What one scenario recorded."""
 
     target: str
     undisturbed: BatchFacts | None = None
     crashed: BatchFacts | None = None
+    after_ack: list[FaultWindow] = field(default_factory=list)
     ack_pending_at_kill: int = 0
     seconds: float = 0.0
     evidence: dict[str, Any] = field(default_factory=dict)
@@ -345,6 +391,77 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
+@dataclass(frozen=True)
+class FaultPlan:
+    """One after-PubAck kill: the fault spec and how to see that its output was stored."""
+
+    consumer: ConsumerDef
+    event_type: str
+    run_glob: str
+    output: Callable[[Pipeline, str], Awaitable[int]]
+    """(pipeline, batch id) → how many copies of the faulted message's output are stored."""
+
+    @property
+    def spec(self) -> str:
+        return f"before_ack:{self.consumer.durable}:{self.event_type}:{self.run_glob}"
+
+
+def on_stream(kind: str, case_id: str | None) -> Callable[[Pipeline, str], Awaitable[int]]:
+    """Copies of `kind` for `case_id` (every case when None) in the batch's CASES messages."""
+
+    async def count(p: Pipeline, batch_id: str) -> int:
+        counts = await p.stream_counts(batch_id)
+        runs = {batch_run_id(batch_id, c) for c in CASE_IDS} if case_id is None else {batch_run_id(batch_id, case_id)}
+        return sum(n for (run_id, k), n in counts.items() if k == kind and run_id in runs)
+
+    return count
+
+
+def in_store(kind: str, case_id: str) -> Callable[[Pipeline, str], Awaitable[int]]:
+    """Rows of `kind` for `case_id` in the event store."""
+
+    async def count(p: Pipeline, batch_id: str) -> int:
+        return (await p.store_counts(batch_id)).get((batch_run_id(batch_id, case_id), kind), 0)
+
+    return count
+
+
+FAULTS: dict[str, tuple[FaultPlan, ...]] = {
+    "dispatcher": (
+        FaultPlan(DISPATCHER_BATCHES, "batch.requested", "-", on_stream("case.requested", None)),
+        FaultPlan(DISPATCHER_CASES, "case.requested", f"evb-*-{FAULT_CASE}", on_stream("case.executed", FAULT_CASE)),
+    ),
+    "judge": (FaultPlan(JUDGE_CASES, "*", f"evb-*-{FAULT_CASE}", on_stream("case.judged", FAULT_CASE)),),
+    "exporter": (FaultPlan(EXPORTER_CASES, "*", f"evb-*-{FAULT_CASE}", on_stream("case.exported", FAULT_CASE)),),
+    "gateway": (
+        FaultPlan(GATEWAY_RECORDER, "case.exported", f"evb-*-{FAULT_CASE}", in_store("case.exported", FAULT_CASE)),
+    ),
+}
+"""Per target, its after-PubAck kills (one batch each); a fan-out counts as the dispatcher's output of
+every case."""
+
+
+async def fault_window(p: Pipeline, target: str, plan: FaultPlan, spec: BatchSpec) -> FaultWindow:
+    """Restart `target` with `plan`'s fault point armed, submit `spec`, wait for the target to kill
+    itself, start it again unarmed, and collect the batch."""
+    await p.restart(target, FAULT_KILL=plan.spec)
+    batch_id = await p.submit(spec)
+    exit_code = await p.wait_exit(target, timeout_s=90)
+    died = time.monotonic()
+    outputs = await plan.output(p, batch_id)
+    pending = await ack_pending(p, plan.consumer)
+    await p.start(target)
+    facts = await batch_facts(p, batch_id)
+    return FaultWindow(
+        fault=plan.spec,
+        exit_code=exit_code,
+        outputs_at_kill=outputs,
+        ack_pending_at_kill=pending,
+        stall_s=time.monotonic() - died,
+        facts=facts,
+    )
+
+
 async def run_scenario(target: str, pg_admin_url: str, root: Path, otlp: OtlpReceiver) -> CrashRun:
     """An undisturbed batch, then the same suite with `target` killed mid-message."""
     run = CrashRun(target=target)
@@ -352,7 +469,8 @@ async def run_scenario(target: str, pg_admin_url: str, root: Path, otlp: OtlpRec
     sandboxes = root / "sandboxes"
     sandboxes.mkdir(parents=True)
     service_env = {"dispatcher": {"DISPATCHER_SLOTS": "2", "DISPATCHER_WORKDIR_ROOT": str(sandboxes)}}
-    async with open_pipeline(pg_admin_url, root / "pipeline", service_env=service_env) as p:
+    env = {"ACK_WAIT_S": ACK_WAIT_S}
+    async with open_pipeline(pg_admin_url, root / "pipeline", env=env, service_env=service_env) as p:
         try:
             quiet = await p.submit(crash_suite(open_gates(root / "gates-undisturbed"), otlp.url))
             run.undisturbed = await batch_facts(p, quiet)
@@ -371,6 +489,9 @@ async def run_scenario(target: str, pg_admin_url: str, root: Path, otlp: OtlpRec
             run.evidence["executed_attempts"] = {
                 ev.case_id: ev.attempt for _, ev in stream if isinstance(ev, CaseExecuted)
             }
+            for i, plan in enumerate(FAULTS[target]):
+                gates_after = open_gates(root / f"gates-after-ack-{i}")
+                run.after_ack.append(await fault_window(p, target, plan, crash_suite(gates_after, otlp.url)))
         except BaseException as e:
             e.add_note(f"scenario {target}:\n{p.diagnostics()}")
             raise
@@ -476,6 +597,25 @@ def test_batch_survives_sigkill_of_service_mid_message(crash_runs: dict[str, Any
     assert_exactly_once(run.crashed)
     assert_same_scorecard(run.crashed, run.undisturbed)
     assert all(attempt == 1 for attempt in run.evidence["executed_attempts"].values()), run.evidence
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_batch_survives_sigkill_of_service_after_its_output_was_acknowledged(
+    crash_runs: dict[str, Any], target: str
+) -> None:
+    """The window a duplicate is born in: the target died by its fault point with its output
+    stored and its input unacknowledged; the redelivery did the work again, and still every case is
+    once per stage, in the stream and in the store, with the undisturbed scorecard."""
+    run = outcome(crash_runs, target)
+    assert run.undisturbed is not None
+    assert [w.fault for w in run.after_ack] == [plan.spec for plan in FAULTS[target]]
+    for window in run.after_ack:
+        assert window.exit_code == -9, window.fault
+        expected_outputs = len(CASE_IDS) if window.fault.startswith("before_ack:dispatcher-batches") else 1
+        assert window.outputs_at_kill == expected_outputs, window.fault
+        assert window.ack_pending_at_kill > 0, window.fault
+        assert_exactly_once(window.facts)
+        assert_same_scorecard(window.facts, run.undisturbed)
 
 
 def test_exporter_crash_resends_only_the_held_case(crash_runs: dict[str, Any]) -> None:

@@ -233,6 +233,17 @@ class Pipeline:
         """SIGKILL service `name` and wait for it to exit."""
         await asyncio.to_thread(self.stack.kill, name)
 
+    async def wait_exit(self, name: str, *, timeout_s: float = 60.0) -> int:
+        """Wait until service `name` exits by itself (a fault point killed it); its return code."""
+        process = self.stack.procs[name].process
+        await eventually(
+            lambda: process.poll() is not None,
+            timeout_s=timeout_s,
+            what=f"{name} to exit",
+            diagnostics=self.diagnostics,
+        )
+        return int(process.returncode)
+
     async def start(self, name: str, **env: str) -> None:
         """Start service `name` (with extra environment) and wait until it is ready."""
         start = typing.cast("Callable[..., object]", self.stack.start)  # `**env` is not `wait`

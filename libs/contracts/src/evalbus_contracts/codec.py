@@ -23,9 +23,21 @@ def encode(value: Any) -> bytes:
     return _encoder.encode(value)
 
 
+class NewerSchemaError(ValueError):
+    """An event whose schema version is newer than this code knows: written by a newer release.
+    Its reader cannot know what the new version means, so it refuses it (a dead letter with this
+    reason) rather than guess; older versions are read as they are (fields are only ever added
+    with defaults)."""
+
+
 def decode_event(data: bytes) -> Event:
-    """Decode any event by its `type` tag; unknown fields are ignored."""
-    return _event_decoder.decode(data)
+    """Decode any event by its `type` tag; unknown fields are ignored, a schema version newer than
+    the event type's `SCHEMA_VERSION` is refused (`NewerSchemaError`)."""
+    event = _event_decoder.decode(data)
+    known = type(event).SCHEMA_VERSION
+    if event.v > known:
+        raise NewerSchemaError(f"{event.type} schema version {event.v} is newer than this service knows ({known})")
+    return event
 
 
 def decoder_for(kind: type[T]) -> msgspec.json.Decoder[T]:

@@ -29,6 +29,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from evalbus_contracts import DeadLetter, decode_event
+from evalbus_contracts.codec import NewerSchemaError
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import ConsumerDef, max_deliveries_advisory
 from evalbus_runtime.errors import Poison, PublishFailedError, Retry
@@ -296,6 +297,8 @@ class ConsumerLoop:
         try:
             try:
                 event = self._stage.decode(msg.data)
+            except NewerSchemaError as e:
+                raise Poison(str(e)) from e
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
                 raise Poison(f"undecodable payload: {e}") from e
             if self._stage.accepts and not isinstance(event, self._stage.accepts):
