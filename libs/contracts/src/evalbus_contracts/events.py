@@ -247,12 +247,17 @@ class LiveLog(_Event, frozen=True, kw_only=True, tag="live.log"):
     """Which stream."""
     text: str
     """The chunk (event lines stripped)."""
+    offset: int = 0
+    """UTF-8 bytes of the run's live log (both streams, every attempt) before this chunk, so a
+    reader can find where the last 64 KiB start without reading the whole ring."""
+    execution: str | None = None
+    """Id of this execution of the attempt (a redelivered attempt runs again under a new one)."""
 
     def subject(self) -> str:
         return s.live_subject(_req(self.run_id, "run id"), "log")
 
     def msg_id(self) -> str:
-        return f"{self.type}:{self.run_id}:{self.attempt}:{self.stream}:{self.seq}"
+        return f"{self.type}:{self.run_id}:{self.attempt}:{_execution(self.execution)}{self.stream}:{self.seq}"
 
 
 class LiveTrace(_Event, frozen=True, kw_only=True, tag="live.trace"):
@@ -261,13 +266,15 @@ class LiveTrace(_Event, frozen=True, kw_only=True, tag="live.trace"):
     seq: int
     """Batch number within the run."""
     events: tuple[TraceEvent, ...]
-    """The events."""
+    """The events (the dispatcher sends one per message, so the ring holds 2,000 events)."""
+    execution: str | None = None
+    """Id of this execution of the attempt (a redelivered attempt runs again under a new one)."""
 
     def subject(self) -> str:
         return s.live_subject(_req(self.run_id, "run id"), "trace")
 
     def msg_id(self) -> str:
-        return f"{self.type}:{self.run_id}:{self.attempt}:{self.seq}"
+        return f"{self.type}:{self.run_id}:{self.attempt}:{_execution(self.execution)}{self.seq}"
 
 
 class InfraMark(_Event, frozen=True, kw_only=True, tag="live.infra"):
@@ -275,12 +282,21 @@ class InfraMark(_Event, frozen=True, kw_only=True, tag="live.infra"):
 
     mark: Infra
     """The mark, as it also appears in the sealed trace."""
+    execution: str | None = None
+    """Id of this execution of the attempt (a redelivered attempt runs again under a new one)."""
+    seq: int = 0
+    """Mark number within the execution (several `waiting` marks may follow each other)."""
 
     def subject(self) -> str:
         return s.live_subject(_req(self.run_id, "run id"), "infra")
 
     def msg_id(self) -> str:
-        return f"{self.type}:{self.run_id}:{self.attempt}:{self.mark.event}"
+        return f"{self.type}:{self.run_id}:{self.attempt}:{_execution(self.execution)}{self.mark.event}:{self.seq}"
+
+
+def _execution(execution: str | None) -> str:
+    """The execution part of a live message id (empty for messages of older dispatchers)."""
+    return "" if execution is None else f"{execution}:"
 
 
 # ---------------------------------------------------------------- observations and dead letters

@@ -1,6 +1,7 @@
 """Executing one case on a backend, releasing the sandbox at its last use.
 
-Order: mark `accepted` → provision → mark `started` → run the harness (its output teed live) →
+Order: mark `accepted` → (a retry: mark `waiting` with the reason, wait its backoff) → provision →
+mark `started` → run the harness (its output teed live) →
 snapshot → compute graders → **release** (idempotent, also in `finally`) → `on_release()` →
 mark `released` → collect the trace (`job` mode) → observation graders → `case.executed`.
 In `control-plane` mode the observation graders are left to the collector.
@@ -18,6 +19,7 @@ are shifted from the harness's clock (seconds since it started) onto it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import deque
@@ -60,6 +62,7 @@ async def execute_case(
     live: LiveSink,
     on_release: Callable[[], None],
     trace_puller: TracePuller | None = None,
+    backoff_s: float = 0.0,
 ) -> CaseExecuted:
     """Run one case × trial and grade it, releasing the sandbox as early as possible.
 
@@ -67,8 +70,9 @@ async def execute_case(
     sandbox could be provisioned, right after that failure), so the caller can take the next
     case while this one finishes. `trace_puller` is needed for `job` collect mode with a
     platform trace; without one the collection fails (retryably) and the scores are kept.
+    `backoff_s` is how long a retry waits before provisioning (marked `waiting`, with the reason).
     """
-    return await _Execution(req, backend, live, on_release, trace_puller).run()
+    return await _Execution(req, backend, live, on_release, trace_puller).run(backoff_s)
 
 
 def run_id_of(req: CaseRequested) -> str:
@@ -145,15 +149,19 @@ class _Execution:
     def _t(self) -> float:
         return time.monotonic() - self._t0
 
-    async def run(self) -> CaseExecuted:
+    async def run(self, backoff_s: float) -> CaseExecuted:
         try:
-            return await self._run()
+            return await self._run(backoff_s)
         finally:
             self._signal_release()  # exactly once, whatever happened (cancellation included)
 
-    async def _run(self) -> CaseExecuted:
+    async def _run(self, backoff_s: float) -> CaseExecuted:
         async with LiveTee(self._live) as tee:
             await self._mark(tee, "accepted", "accepted by a dispatcher")
+            if backoff_s > 0:
+                reason = f"attempt {self._req.attempt} waits {backoff_s:g}s after a retryable failure"
+                await self._mark(tee, "waiting", reason)
+                await asyncio.sleep(backoff_s)
             self._provisioned_mono = time.monotonic()
             try:
                 handle = await self._backend.provision(self._req)

@@ -3,6 +3,13 @@
 Live views are best effort: a sink that fails is logged and never fails the case, and a slow
 sink never stalls the harness's pipes (lines are buffered and flushed at most every interval).
 Infra marks go out at once, after whatever was buffered before them, so order is kept.
+
+What reaches the sink is bounded: a log chunk is at most `MAX_LOG_CHUNK_BYTES` of UTF-8 (a longer
+line is split, never inside a character), the output buffered while the sink is slow is at most
+`MAX_PENDING_BYTES` per stream (the oldest lines give way to a note saying how much was left
+out), and a trace event whose JSON is over `MAX_EVENT_BYTES` is dropped whole — never cut — and
+counted in an `error` event of the live trace. None of this touches the buffered result: the
+sealed trace and the answer are parsed from the backend's own capture of stdout.
 """
 
 from __future__ import annotations
@@ -10,50 +17,103 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Protocol
 
 import msgspec
 
-from evalbus_contracts import Infra, TraceEvent
+from evalbus_contracts import Error, Infra, TraceEvent
 from evalbus_dispatcher.backends.base import OutputStream
 from evalbus_dispatcher.harness_output import parse_line
 
 log = logging.getLogger(__name__)
 
 FLUSH_INTERVAL_S = 0.25
-"""At most one flush of buffered output per interval."""
-MAX_LOG_CHUNK = 32 * 1024
-"""Largest log text handed to the sink in one call (split on line boundaries)."""
+"""At most one flush of buffered output per interval, and at least one while output flows."""
+MAX_LOG_CHUNK_BYTES = 16 * 1024
+"""Largest log text (UTF-8 bytes) handed to the sink in one call."""
+MAX_PENDING_BYTES = 1024 * 1024
+"""Most output buffered per stream between flushes (a stalled sink costs lines, not memory)."""
+MAX_EVENT_BYTES = 4 * 1024
+"""Largest trace event (its JSON) sent live; a larger one is dropped and counted."""
 SINK_TIMEOUT_S = 10.0
 """A sink call that takes longer is abandoned (and logged): a stalled bus never holds a case."""
+
+_encoder = msgspec.json.Encoder()
 
 
 class LiveSink(Protocol):
     """Where a running case's live output goes (the LIVE stream, in the service)."""
 
     async def log(self, stream: OutputStream, text: str) -> None:
-        """A chunk of output (whole lines, control lines removed)."""
+        """A chunk of output (control lines removed, at most `MAX_LOG_CHUNK_BYTES`)."""
         ...
 
     async def trace(self, events: Sequence[TraceEvent]) -> None:
-        """Trace events the harness printed, in order."""
+        """Trace events the harness printed, in order (each at most `MAX_EVENT_BYTES`)."""
         ...
 
     async def infra(self, mark: Infra) -> None:
-        """An infrastructure mark (accepted, started, released)."""
+        """An infrastructure mark (accepted, waiting, started, released)."""
         ...
+
+
+class _Pending:
+    """The lines of one stream waiting for the next flush, bounded in bytes (oldest dropped)."""
+
+    def __init__(self, cap: int) -> None:
+        self._cap = cap
+        self._lines: deque[str] = deque()
+        self._size = 0
+        self._dropped = 0
+
+    def __bool__(self) -> bool:
+        return bool(self._lines) or self._dropped > 0
+
+    def add(self, line: str) -> None:
+        size = _utf8_len(line) + 1
+        self._lines.append(line)
+        self._size += size
+        while self._size > self._cap and len(self._lines) > 1:
+            gone = self._lines.popleft()
+            self._size -= _utf8_len(gone) + 1
+            self._dropped += _utf8_len(gone) + 1
+
+    def take(self) -> list[str]:
+        lines = list(self._lines)
+        if self._dropped:
+            lines.insert(0, f"[evalbus: {self._dropped} bytes of output were left out of the live log]")
+        self._lines.clear()
+        self._size = self._dropped = 0
+        return lines
 
 
 class LiveTee:
     """Buffers a run's output for a `LiveSink`; use as `async with LiveTee(sink) as tee`."""
 
-    def __init__(self, sink: LiveSink, *, interval_s: float = FLUSH_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        sink: LiveSink,
+        *,
+        interval_s: float = FLUSH_INTERVAL_S,
+        chunk_bytes: int = MAX_LOG_CHUNK_BYTES,
+        pending_bytes: int = MAX_PENDING_BYTES,
+        event_bytes: int = MAX_EVENT_BYTES,
+    ) -> None:
         self._sink = sink
         self._interval = interval_s
-        self._logs: dict[OutputStream, list[str]] = {"stdout": [], "stderr": []}
+        self._chunk_bytes = chunk_bytes
+        self._event_bytes = event_bytes
+        self._logs: dict[OutputStream, _Pending] = {
+            "stdout": _Pending(pending_bytes),
+            "stderr": _Pending(pending_bytes),
+        }
         self._events: list[TraceEvent] = []
+        self._dropped_now = 0
+        self.dropped_events = 0
+        """Trace events left out of the live trace so far for being over the size limit."""
         self._dirty = asyncio.Event()
         self._closing = asyncio.Event()
         self._lock = asyncio.Lock()
@@ -72,17 +132,19 @@ class LiveTee:
 
     async def on_output(self, stream: OutputStream, line: str) -> None:
         """Take one line of harness output (the backend's `OnOutput`)."""
-        if stream == "stdout":
-            parsed = parse_line(line)
-            if parsed.kind == "event" and parsed.event is not None:
-                self._events.append(shift(parsed.event, self.t_offset))
-                self._dirty.set()
-                return
-            if parsed.kind != "text":
-                return
-        elif parse_line(line).kind != "text":
+        parsed = parse_line(line)
+        if stream == "stdout" and parsed.kind == "event" and parsed.event is not None:
+            event = shift(parsed.event, self.t_offset)
+            if len(_encoder.encode(event)) > self._event_bytes:
+                self._dropped_now += 1
+                self.dropped_events += 1
+            else:
+                self._events.append(event)
+            self._dirty.set()
             return
-        self._logs[stream].append(line)
+        if parsed.kind != "text":
+            return  # control lines (valid or torn) are not user log, on either stream
+        self._logs[stream].add(line)
         self._dirty.set()
 
     async def mark(self, mark: Infra) -> None:
@@ -112,15 +174,23 @@ class LiveTee:
                 await asyncio.wait_for(self._closing.wait(), self._interval)
 
     async def _flush_locked(self) -> None:
+        if self._dropped_now:
+            t = self._events[-1].t if self._events else self.t_offset
+            note = Error(
+                message=f"{self._dropped_now} trace event(s) over {self._event_bytes} bytes left out of the live "
+                f"trace ({self.dropped_events} so far); the sealed trajectory keeps them",
+                t=t,
+            )
+            self._events.append(note)
+            self._dropped_now = 0
         if self._events:
             events, self._events = self._events, []
             await _best_effort("trace", self._sink.trace, events)
         for stream in ("stdout", "stderr"):
-            lines = self._logs[stream]
-            if not lines:
+            pending = self._logs[stream]
+            if not pending:
                 continue
-            self._logs[stream] = []
-            for chunk in _chunks(lines, MAX_LOG_CHUNK):
+            for chunk in chunks(pending.take(), self._chunk_bytes):
                 await _best_effort("log", self._sink.log, stream, chunk)
 
 
@@ -129,19 +199,47 @@ def shift(event: TraceEvent, offset: float) -> TraceEvent:
     return event if offset == 0.0 else msgspec.structs.replace(event, t=event.t + offset)
 
 
-def _chunks(lines: list[str], limit: int) -> list[str]:
-    chunks: list[str] = []
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
+def split_utf8(text: str, limit: int) -> list[str]:
+    """`text` in pieces of at most `limit` UTF-8 bytes, never splitting a character."""
+    data = text.encode("utf-8")
+    if len(data) <= limit:
+        return [text]
+    pieces: list[str] = []
+    start = 0
+    while start < len(data):
+        end = min(start + limit, len(data))
+        while end < len(data) and end > start and (data[end] & 0xC0) == 0x80:  # inside a character
+            end -= 1
+        if end == start:  # a limit smaller than one character: take the whole character
+            end = start + 1
+            while end < len(data) and (data[end] & 0xC0) == 0x80:
+                end += 1
+        pieces.append(data[start:end].decode("utf-8"))
+        start = end
+    return pieces
+
+
+def chunks(lines: Sequence[str], limit: int) -> list[str]:
+    """Lines joined (each ending in a newline) into chunks of at most `limit` UTF-8 bytes; a line
+    longer than that is split across chunks. Concatenated, the chunks are exactly the lines."""
+    out: list[str] = []
     current: list[str] = []
     size = 0
     for line in lines:
-        if current and size + len(line) + 1 > limit:
-            chunks.append("\n".join(current) + "\n")
-            current, size = [], 0
-        current.append(line)
-        size += len(line) + 1
+        for piece in split_utf8(line + "\n", limit):
+            n = _utf8_len(piece)
+            if current and size + n > limit:
+                out.append("".join(current))
+                current, size = [], 0
+            current.append(piece)
+            size += n
     if current:
-        chunks.append("\n".join(current) + "\n")
-    return chunks
+        out.append("".join(current))
+    return out
 
 
 async def _best_effort(what: str, call: Callable[..., Awaitable[None]], *args: object) -> None:

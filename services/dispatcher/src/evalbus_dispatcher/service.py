@@ -8,11 +8,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
 import aiohttp
+import nats.errors
+import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
@@ -29,9 +32,10 @@ from evalbus_contracts import (
     TraceEvent,
     TraceRef,
     decode_event,
+    subjects,
 )
 from evalbus_contracts.events import EventBase
-from evalbus_contracts.streams import DISPATCHER_BATCHES, DISPATCHER_CASES
+from evalbus_contracts.streams import DISPATCHER_BATCHES, DISPATCHER_CASES, LIVE
 from evalbus_dispatcher.backends.local import LocalBackend, sweep_orphans
 from evalbus_dispatcher.cancellation import cancelled_execution
 from evalbus_dispatcher.execute import execute_case, run_id_of
@@ -68,23 +72,84 @@ class DispatcherSettings(ServiceSettings):
 
 class LiveBus:
     """A running case's live output onto the LIVE stream (`run.<run>.live.*`), best effort: published
-    without waiting for acknowledgements (the sealed trace in `case.executed` is the record)."""
+    without waiting for acknowledgements (the sealed trace in `case.executed` is the record).
+
+    Each execution gets an id of its own (in every message id, so a redelivered attempt's messages
+    are not taken for duplicates of the first one's); trace events go one per message (the
+    stream's 2,000-message ring is then 2,000 events); log chunks carry their byte `offset` in the
+    run's whole live log, continued from the log already on the stream (`resume`)."""
 
     def __init__(self, publisher: Publisher, req: CaseRequested) -> None:
         self._pub = publisher
-        self._ids = {"batch_id": req.batch_id, "case_id": req.case_id, "run_id": run_id_of(req), "attempt": req.attempt}
-        self._seq = {"stdout": 0, "stderr": 0, "trace": 0}
+        self._req = req
+        self._run_id = run_id_of(req)
+        self._execution = uuid.uuid4().hex[:16]
+        self._seq = {"stdout": 0, "stderr": 0, "trace": 0, "infra": 0}
+        self.offset = 0
+        """Bytes of the run's live log published so far (where the next chunk starts)."""
+
+    def _next(self, channel: str) -> int:
+        self._seq[channel] += 1
+        return self._seq[channel]
+
+    async def resume(self, js: JetStreamContext) -> None:
+        """Continue the run's log offsets after what an earlier attempt or execution left on the
+        stream (best effort: without it the offsets restart and only the tail search degrades)."""
+        try:
+            raw = await js.get_last_msg(LIVE.name, subjects.live_subject(self._run_id, "log"))
+            last = decode_event(raw.data or b"")
+        except nats.js.errors.NotFoundError:
+            return
+        except (nats.errors.Error, DecodeError) as e:
+            log.warning("live log of %s not continued: %s", self._run_id, e)
+            return
+        if isinstance(last, LiveLog):
+            self.offset = last.offset + len(last.text.encode("utf-8"))
 
     async def log(self, stream: Literal["stdout", "stderr"], text: str) -> None:
-        self._seq[stream] += 1
-        await self._pub.publish_nowait(LiveLog(seq=self._seq[stream], stream=stream, text=text, **self._ids))  # type: ignore[arg-type]
+        req = self._req
+        chunk = LiveLog(
+            batch_id=req.batch_id,
+            case_id=req.case_id,
+            run_id=self._run_id,
+            attempt=req.attempt,
+            execution=self._execution,
+            seq=self._next(stream),
+            stream=stream,
+            text=text,
+            offset=self.offset,
+        )
+        self.offset += len(text.encode("utf-8"))
+        await self._pub.publish_nowait(chunk)
 
     async def trace(self, events: Sequence[TraceEvent]) -> None:
-        self._seq["trace"] += 1
-        await self._pub.publish_nowait(LiveTrace(seq=self._seq["trace"], events=tuple(events), **self._ids))  # type: ignore[arg-type]
+        req = self._req
+        for event in events:
+            await self._pub.publish_nowait(
+                LiveTrace(
+                    batch_id=req.batch_id,
+                    case_id=req.case_id,
+                    run_id=self._run_id,
+                    attempt=req.attempt,
+                    execution=self._execution,
+                    seq=self._next("trace"),
+                    events=(event,),
+                )
+            )
 
     async def infra(self, mark: Infra) -> None:
-        await self._pub.publish_nowait(InfraMark(mark=mark, **self._ids))  # type: ignore[arg-type]
+        req = self._req
+        await self._pub.publish_nowait(
+            InfraMark(
+                batch_id=req.batch_id,
+                case_id=req.case_id,
+                run_id=self._run_id,
+                attempt=req.attempt,
+                execution=self._execution,
+                seq=self._next("infra"),
+                mark=mark,
+            )
+        )
 
 
 class PlatformTracePuller:
@@ -197,14 +262,16 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         reason = cancels.reason(req.batch_id)
         if reason is not None:
             return [cancelled_execution(req, reason)]
-        if req.attempt > 1:
-            await asyncio.sleep(settings.retry_backoff_s * (req.attempt - 1))
+        live = LiveBus(service.publisher, req)
+        if req.attempt > 1 or delivery.num_delivered > 1:
+            await live.resume(service.js)
         executed = await execute_case(
             req,
             backend,
-            live=LiveBus(service.publisher, req),
+            live=live,
             on_release=delivery.release_slot,
             trace_puller=puller,
+            backoff_s=settings.retry_backoff_s * (req.attempt - 1),
         )
         if should_retry(executed, req.attempt, req.plan.retries):
             log.info("retrying %s after a retryable %s failure", executed.run_id, executed.result.failure)
