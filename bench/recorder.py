@@ -9,7 +9,8 @@ A fresh database on the server of `DATABASE_URL` when set, else on the embedded 
 1. stage — the events through the gateway's recorder stage as a real process: all events are
    published onto CASES while the `gateway-recorder` consumer is paused, then it is resumed and
    timed until it has nothing pending or unacknowledged — consume, decode, group commit (seals and
-   the finalisation included), ack: events/s. This is the rate the goal is judged on.
+   the finalisation included), ack: events/s (the rate the goal is judged on), and from the
+   gateway's `/metrics` its transactions, their mean size and the seconds spent in them.
 2. store — the same number of events (another batch id) with `evalbus_gateway.store.record`
    called directly, one transaction per batch of `--batch-size` messages (the recorder's default
    1,000), one at a time as the recorder's write batcher does: events/s and the p50/p99 time of
@@ -40,6 +41,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as `python bench/recorder.py`: make `bench.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import aiohttp
 import asyncpg
 from bench._consumers import consumer_limit, drained, pause, resume
 from bench._cpu import CpuMeter
@@ -115,6 +117,24 @@ async def store_direct(database_url: str, events: list[EventBase], batch_size: i
     }
 
 
+async def recorder_writes(port: int) -> dict[str, float]:
+    """The gateway's own count of recorder transactions, the messages they held and the seconds
+    spent in them (its `/metrics`; the process recorded nothing else)."""
+    wanted = {
+        "evalbus_recorder_batch_messages_count": "transactions",
+        "evalbus_recorder_batch_messages_sum": "messages",
+        "evalbus_recorder_write_seconds_sum": "seconds",
+    }
+    out = dict.fromkeys(wanted.values(), 0.0)
+    async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/metrics") as r:
+        r.raise_for_status()
+        for line in (await r.text()).splitlines():
+            name, _, value = line.partition(" ")
+            if name in wanted:
+                out[wanted[name]] = float(value)
+    return out
+
+
 async def stage(
     infra: Infra, events: list[EventBase], batch_id: str, timeout_s: float, gateway_env: dict[str, str]
 ) -> dict[str, Any]:
@@ -156,6 +176,7 @@ async def stage(
             meter.stop()
         finally:
             await nc.close()
+        writes = await recorder_writes(stack.procs["gateway"].port)
     conn = await asyncpg.connect(database_url)
     try:
         stored = int(
@@ -186,6 +207,9 @@ async def stage(
         "finalized": finalized,
         "rejected": rejected,
         "publish_s": publish_s,
+        "transactions": writes["transactions"],
+        "mean_transaction_messages": writes["messages"] / writes["transactions"] if writes["transactions"] else None,
+        "writing_s": writes["seconds"],
         "recorder_max_ack_pending": limit,
         "cpu_ms_per_1k_events": {k: 1000 * v for k, v in meter.per_case_ms(len(events)).items()},
     }
@@ -255,7 +279,9 @@ def table(out: dict[str, Any]) -> tuple[list[tuple[str, ...]], list[str]]:
                 fmt(st["events_per_s"], digits=0),
                 fmt(st["seconds"], " s"),
                 f"gateway process from a paused consumer to drained; {st['stored']} stored, {st['sealed_runs']} sealed"
-                + (", batch finalized" if st["finalized"] else ", NOT finalized"),
+                + (", batch finalized" if st["finalized"] else ", NOT finalized")
+                + f"; {st['transactions']:.0f} transactions of {fmt(st['mean_transaction_messages'], digits=0)} on average,"
+                f" {fmt(st['writing_s'], ' s')} in them",
             )
         )
     rows.append(
