@@ -57,9 +57,16 @@ _SYMBOL = {">=": "≥", "<=": "≤", "==": "="}
 
 def describe(g: Goal) -> str:
     """`name: measured (goal ≥ target; basis) passed|MISSED` for the table and the verdict."""
-    measured = "not measured" if g.measured is None or math.isnan(g.measured) else f"{g.measured:.4g}"
+    measured = "not measured" if g.measured is None or math.isnan(g.measured) else _number(g.measured)
     verdict = "passed" if g.passed else "MISSED"
-    return f"{g.name}: {measured} (goal {_SYMBOL[g.comparison]} {g.goal:g}; {g.basis}) {verdict}"
+    return f"{g.name}: {measured} (goal {_SYMBOL[g.comparison]} {_number(g.goal)}; {g.basis}) {verdict}"
+
+
+def _number(value: float) -> str:
+    """Counts in full (40001, not 4e+04), other figures to 4 significant digits."""
+    if value == int(value) and abs(value) < 1e15:
+        return str(int(value))
+    return f"{value:.4g}"
 
 
 def goal_notes(goals: Sequence[Goal]) -> list[str]:
