@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -156,20 +155,28 @@ async def test_run_of_a_cancelled_batch_exits_1(stack: ServiceStack, tmp_path: P
 
 
 async def test_run_no_wait_only_submits(stack: ServiceStack, tmp_path: Path) -> None:
-    suite = small_suite(tmp_path / "suite", cases=("math-01",))
-    started = time.monotonic()
-    done = await evalbus(stack, "run", str(suite), "--json", "--no-wait", cwd=tmp_path)
+    """`--no-wait` returns once the batch is accepted: its one case is held until the command has
+    returned, so a command that waited for the batch would never return."""
+    folder = tmp_path / "suite"
+    go = tmp_path / "go"
+    suite = small_suite(folder, cases=("math-01",), command=["python3", "gated_agent.py"], timeout_s=90)
+    (folder / "gated_agent.py").write_text(
+        f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.05)\nprint('done')\n"
+    )
+    done = await evalbus(stack, "run", str(suite), "--json", "--no-wait", cwd=tmp_path, timeout_s=60)
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
     assert (doc["status"], doc["summary"]) == ("queued", None)
-
-    status = None
+    go.touch()
     async with stack.client() as gw:
-        async for event in gw.events(doc["batch_id"]):
-            if event.event == "end":
-                status = json.loads(event.data)["status"]
-    assert status == "succeeded"
-    assert time.monotonic() - started < 120
+
+        async def end_status() -> str | None:
+            async for event in gw.events(doc["batch_id"]):
+                if event.event == "end":
+                    return str(json.loads(event.data)["status"])
+            return None
+
+        assert await asyncio.wait_for(end_status(), 120) == "succeeded"
 
 
 async def test_run_against_no_gateway_exits_1(tmp_path: Path) -> None:
