@@ -23,11 +23,16 @@ What is proved for every batch:
   there would mean a publish escaped the `Nats-Msg-Id` dedupe window);
 - every run's trajectory sealed and intact (`verify_batch`), every case once in the jsonl export.
 
-What breaking deduplication does to it (checked by hand, with the publisher's `Nats-Msg-Id` made
-unique per publish): every after-PubAck window fails `assert_exactly_once` — the CASES stream
-holds the re-published event twice (for the gateway, the re-published `batch.finalized`) and the
-recorder refuses the second copy as a duplicate (`rejections` is not empty) — while every
-mid-message window still passes, since there the killed replica had published nothing.
+What breaking deduplication does to it (run by hand on a copy of the tree): with the publisher's
+`Nats-Msg-Id` made unique per publish, the after-PubAck windows of the dispatcher, the judge and
+the exporter fail `assert_exactly_once` — the CASES stream holds the re-published events twice
+(`('…-c04', 'case.judged'): 2`, `('…-c04', 'case.exported'): 2`; all ten `case.requested` after the
+fan-out kill) — while every mid-message window still passes, since there the killed replica had
+published nothing. The gateway's redelivery is absorbed by the recorder instead (a sequence already
+stored is skipped): with that check removed, its after-commit window fails with the redelivered
+events refused (`rejections`: `('…-c04', 'case.executed', 'sealed')` and four more). Before the
+wait for every consumer to be idle (`Pipeline.quiescent`), the judge and exporter windows passed
+even with deduplication broken: the batch finalized before the redelivery came.
 
 The services run with `ACK_WAIT_S=10` (healthy replicas send `in_progress` every third of it),
 so a message a killed replica held is redelivered after 10 s; the four targets run concurrently,
@@ -249,8 +254,9 @@ class FaultWindow:
     """The output of the faulted message, as stored when the target died (1: it got its PubAck)."""
     ack_pending_at_kill: int
     """Messages of the target's consumer delivered and not acknowledged when it died."""
-    stall_s: float
-    """From the target's death to the batch's finalisation."""
+    recovered_s: float
+    """From the target's death until every consumer is idle again: the message it held was
+    redelivered (after `ack_wait`) and done again, the batch finalized and all of it recorded."""
     facts: BatchFacts
 
 
@@ -275,6 +281,9 @@ async def ack_pending(pipeline: Pipeline, consumer: ConsumerDef) -> int:
 
 async def batch_facts(pipeline: Pipeline, batch_id: str) -> BatchFacts:
     view = await pipeline.finalized(batch_id, timeout_s=FINISH_TIMEOUT_S)
+    # A redelivery can come after the batch finalized (its first delivery's output already let the
+    # batch finish): a duplicate it published would be missed if we read now.
+    await pipeline.quiescent(timeout_s=FINISH_TIMEOUT_S)
     jsonl = pipeline.workdir / "exports" / f"crash-{batch_id}.jsonl"
     lines = jsonl.read_text().splitlines() if jsonl.exists() else []
     return BatchFacts(
@@ -457,7 +466,7 @@ async def fault_window(p: Pipeline, target: str, plan: FaultPlan, spec: BatchSpe
         exit_code=exit_code,
         outputs_at_kill=outputs,
         ack_pending_at_kill=pending,
-        stall_s=time.monotonic() - died,
+        recovered_s=time.monotonic() - died,
         facts=facts,
     )
 

@@ -284,6 +284,19 @@ class Pipeline:
         assert view.finalized_at is not None
         return view
 
+    async def quiescent(self, *, timeout_s: float = 60.0) -> None:
+        """Wait until every consumer of CASES has delivered and had acknowledged everything: no
+        redelivery is still to come (a message a killed replica held comes back only after its
+        `ack_wait`, possibly after its batch finalized) and the recorder has stored it all."""
+
+        async def idle() -> bool:
+            infos = await self.nc.jetstream().consumers_info("CASES")
+            return all(info.num_ack_pending == 0 and info.num_pending == 0 for info in infos)
+
+        await eventually(
+            idle, timeout_s=timeout_s, what="every CASES consumer to be idle", diagnostics=self.diagnostics
+        )
+
     async def runs(self, batch_id: str) -> dict[str, RunView]:
         """The batch's runs by case id (trials would collide: for batches without trials)."""
         return {run.case_id: run for run in await self.gw.all_cases(batch_id)}
