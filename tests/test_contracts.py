@@ -27,6 +27,7 @@ from evalbus_contracts import (
     EVENT_TYPES,
     STREAMS,
     InvalidIdError,
+    OnlineSuiteApplied,
     decode,
     decode_event,
     decode_token,
@@ -330,14 +331,19 @@ EXPECTED_CONSUMERS: dict[str, set[str]] = {
     "live.trace": set(),
     "live.infra": set(),
     "obs.received": {"collector-observations"},
+    "obs.spans": {"collector-spans"},
+    "online.suite.applied": {_RECORDER},
+    "online.suite.deleted": {_RECORDER},
+    "online.fate": {_RECORDER},
     "dlq": set(),
 }
 """Which durable consumers must receive each event type: no more, no fewer."""
 
 EXPECTED_STREAM: dict[str, str] = {
-    **dict.fromkeys([t for t in EXPECTED_CONSUMERS if t.startswith(("batch.", "case."))], "CASES"),
+    **dict.fromkeys([t for t in EXPECTED_CONSUMERS if t.startswith(("batch.", "case.", "online."))], "CASES"),
     **dict.fromkeys(["live.log", "live.trace", "live.infra"], "LIVE"),
     "obs.received": "OBSERVATIONS",
+    "obs.spans": "OBSERVATIONS",
     "dlq": "DLQ",
 }
 
@@ -351,9 +357,11 @@ def _with_ids(event: EventBase, data: st.DataObject) -> EventBase:
         "case_id": data.draw(_IDS),
         "run_id": data.draw(_IDS),
     }
-    for name in ("suite_id", "observation_id", "target", "service"):
+    for name in ("suite_id", "observation_id", "target", "service", "trace_id"):
         if name in type(event).__struct_fields__:
             ids[name] = data.draw(_IDS)
+    if isinstance(event, OnlineSuiteApplied):
+        ids["suite"] = replace(event.suite, id=data.draw(_IDS))
     return replace(event, **ids)
 
 
@@ -408,6 +416,7 @@ def test_batch_filter_selects_exactly_one_batch(data: st.DataObject, other: str)
                 for k in EVENT_TYPES
                 if EXPECTED_STREAM[str(k.__struct_config__.tag)] == "CASES"
                 and k.__struct_config__.tag != "case.observed"
+                and not str(k.__struct_config__.tag).startswith("online.")
             ]
         )
     )

@@ -19,9 +19,10 @@ def test_committed_schemas_match_the_contracts() -> None:
     assert not problems, f"docs/schemas drifted from the contracts ({', '.join(problems)}): run `just schemas`"
 
 
-def test_there_is_one_schema_per_event_and_the_batch_spec() -> None:
+def test_there_is_one_schema_per_event_and_per_spec() -> None:
     names = set(render_schemas())
-    assert names == {f"{k.__struct_config__.tag}.json" for k in EVENT_TYPES} | {"batch-spec.json"}
+    specs = {"batch-spec.json", "online-suite.json"}
+    assert names == {f"{k.__struct_config__.tag}.json" for k in EVENT_TYPES} | specs
 
 
 def test_drift_reports_missing_changed_and_stale_files(tmp_path: Path) -> None:

@@ -16,9 +16,9 @@ import msgspec
 
 from evalbus_contracts import subjects as s
 from evalbus_contracts.results import CaseResult
-from evalbus_contracts.specs import BatchSpec, CaseSpec, HarnessSpec, JudgeSpec, SinkSpec
+from evalbus_contracts.specs import BatchSpec, CaseSpec, HarnessSpec, JudgeSpec, OnlineSuiteSpec, SinkSpec
 from evalbus_contracts.summary import BatchError, BatchSummary, ExportSummary, SinkOutcome
-from evalbus_contracts.trace import Infra, TraceEvent
+from evalbus_contracts.trace import Infra, SpanData, TraceEvent
 
 
 def new_event_id() -> str:
@@ -329,6 +329,109 @@ class ObservationReceived(_Event, frozen=True, kw_only=True, tag="obs.received")
         return f"{self.type}:{self.target}:{self.observation_id}"
 
 
+class ObservationSpans(_Event, frozen=True, kw_only=True, tag="obs.spans"):
+    """Spans of one trace from one OTLP export request, held on the bus until the collector has
+    the whole trace (so an export answered 200 is never lost with a collector)."""
+
+    target: str
+    """`service.name` of the exporting application."""
+    trace_id: str
+    """The trace (32 hex)."""
+    spans: tuple[SpanData, ...]
+    """Its spans in this request."""
+    resource: dict[str, str] = msgspec.field(default_factory=dict)
+    """Resource attributes of the exporting application, as text."""
+    received_ns: int = 0
+    """When the collector received them, Unix nanoseconds."""
+
+    def subject(self) -> str:
+        return s.spans_subject(self.target)
+
+    def msg_id(self) -> str:
+        return f"{self.type}:{self.trace_id}:{self.event_id}"
+
+
+# ---------------------------------------------------------------- online suites and fates
+
+
+class OnlineSuiteApplied(_Event, frozen=True, kw_only=True, tag="online.suite.applied"):
+    """An online suite was defined or replaced (the last event on its subject holds)."""
+
+    suite: OnlineSuiteSpec
+    """The suite as validated."""
+    by: str
+    """Principal that applied it."""
+
+    def subject(self) -> str:
+        return s.online_suite_subject(self.suite.id)
+
+    def msg_id(self) -> str:
+        return f"{self.type}:{self.suite.id}:{self.event_id}"
+
+
+class OnlineSuiteDeleted(_Event, frozen=True, kw_only=True, tag="online.suite.deleted"):
+    """An online suite stops taking observations (judging already sampled ones goes on)."""
+
+    suite_id: str
+    """The suite."""
+    by: str
+    """Principal that deleted it."""
+
+    def subject(self) -> str:
+        return s.online_suite_subject(self.suite_id)
+
+    def msg_id(self) -> str:
+        return f"{self.type}:{self.suite_id}:{self.event_id}"
+
+
+Fate = Literal["sampled", "skipped", "dropped", "late", "dead_lettered", "judged"]
+"""What became of an observation for a suite."""
+
+FateReason = Literal[
+    "sampled",
+    "no_suite",
+    "not_target",
+    "filtered",
+    "not_sampled",
+    "invalid_trace_id",
+    "too_large",
+    "late_spans",
+    "max_deliver",
+    "judged",
+]
+"""Why: `sampled` / `judged` for those fates; skipped: `no_suite` (no online suite is defined),
+`not_target` (the suite's service / agent / workflow differs), `filtered` (an attribute differs),
+`not_sampled` (outside the suite's ratio); dropped: `invalid_trace_id`, `too_large`; late:
+`late_spans` (spans arrived after the trace was assembled; they are not judged);
+dead_lettered: `max_deliver` (the judge gave up on it)."""
+
+
+class ObservationFate(_Event, frozen=True, kw_only=True, tag="online.fate"):
+    """What became of one production observation for one online suite, and why: every
+    observation that reaches evalbus gets at least one, so none disappears unaccounted."""
+
+    observation_id: str
+    """The observation (for OTLP ingest: the trace id)."""
+    suite_id: str | None = None
+    """The suite (None when no suite was defined: fate `skipped`, reason `no_suite`)."""
+    trace_id: str | None = None
+    """OpenTelemetry trace id (32 hex), when the observation has one."""
+    target: str | None = None
+    """The target the observation was offered to (its service name for OTLP ingest)."""
+    fate: Fate
+    """What became of it."""
+    reason: FateReason
+    """Why."""
+    detail: str | None = None
+    """More about the reason (the ratio it was sampled at, the attribute that differed...)."""
+
+    def subject(self) -> str:
+        return s.online_fate_subject(self.observation_id)
+
+    def msg_id(self) -> str:
+        return f"{self.type}:{self.suite_id or '-'}:{self.observation_id}:{self.fate}"
+
+
 class DeadLetter(_Event, frozen=True, kw_only=True, tag="dlq"):
     """A message a service could not handle, with the reason and the raw payload."""
 
@@ -372,6 +475,10 @@ Event = (
     | LiveTrace
     | InfraMark
     | ObservationReceived
+    | ObservationSpans
+    | OnlineSuiteApplied
+    | OnlineSuiteDeleted
+    | ObservationFate
     | DeadLetter
 )
 """Any event, discriminated on `type`."""
@@ -390,6 +497,10 @@ EVENT_TYPES: tuple[type[_Event], ...] = (
     LiveTrace,
     InfraMark,
     ObservationReceived,
+    ObservationSpans,
+    OnlineSuiteApplied,
+    OnlineSuiteDeleted,
+    ObservationFate,
     DeadLetter,
 )
 

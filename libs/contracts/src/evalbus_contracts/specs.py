@@ -5,7 +5,7 @@ Specs carry secret *names* only; values are resolved where they are used and nev
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -371,3 +371,39 @@ class BatchSpec(_Spec, frozen=True, kw_only=True):
     """Free labels."""
     supersede_key: str | None = None
     """Submitting another batch with this key supersedes open batches with the same key."""
+
+
+# ---------------------------------------------------------------- online evaluation
+
+
+class OnlineTarget(_Spec, frozen=True, kw_only=True):
+    """Which production observations an online suite takes: every named field must match (an
+    unnamed one matches anything), and every attribute must equal the observation's."""
+
+    service: str | None = None
+    """`service.name` of the application (the OTLP resource attribute)."""
+    agent: str | None = None
+    """Agent name (`gen_ai.agent.name`, OpenInference `agent.name`)."""
+    workflow: str | None = None
+    """Workflow name (`workflow.name`, `gen_ai.workflow.name`)."""
+    attributes: dict[str, str] = msgspec.field(default_factory=dict)
+    """Resource or root-span attributes that must equal these values (e.g.
+    `deployment.environment: prod`)."""
+
+
+class OnlineSuiteSpec(_Spec, frozen=True, kw_only=True):
+    """An online suite: judge a deterministic sample of one target's production traces with the
+    same judges batches use."""
+
+    id: str
+    """Suite id (unique; applying the same id again replaces the suite)."""
+    target: OnlineTarget
+    """The observations it takes."""
+    sample_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 1.0
+    """Fraction of matching traces judged, decided by trace id exactly as OpenTelemetry's
+    `TraceIdRatioBased` sampler decides (so an application tracing at ratio r ≥ this one traces
+    every trace evalbus samples)."""
+    judges: tuple[JudgeSpec, ...] = ()
+    """Judges applied to each sampled observation, in order (the kinds of batches)."""
+    description: str | None = None
+    """Free text."""

@@ -49,7 +49,7 @@ class ConsumerDef(msgspec.Struct, frozen=True, kw_only=True):
     """Redelivery delays after ack-wait expiries (JetStream `backoff`)."""
 
 
-CASES = StreamDef(name="CASES", subjects=("batch.>", "case.>"), duplicate_window_s=3600.0)
+CASES = StreamDef(name="CASES", subjects=("batch.>", "case.>", "online.>"), duplicate_window_s=3600.0)
 LIVE = StreamDef(
     name="LIVE", subjects=("run.*.live.>",), max_age_s=15 * 60.0, max_msgs_per_subject=2000, duplicate_window_s=120.0
 )
@@ -70,8 +70,19 @@ COLLECTOR_CASES = ConsumerDef(
     durable="collector-cases", stream="CASES", filter_subjects=("case.executed.>",), max_ack_pending=256
 )
 COLLECTOR_OBSERVATIONS = ConsumerDef(
-    durable="collector-observations", stream="OBSERVATIONS", filter_subjects=("obs.>",), max_ack_pending=256
+    durable="collector-observations",
+    stream="OBSERVATIONS",
+    filter_subjects=("obs.received.>",),
+    max_ack_pending=1024,
 )
+COLLECTOR_SPANS = ConsumerDef(
+    durable="collector-spans",
+    stream="OBSERVATIONS",
+    filter_subjects=("obs.spans.>",),
+    max_ack_pending=100_000,
+    max_deliver=10,
+)
+"""Span batches held (unacknowledged, kept alive by `in_progress`) until their trace is assembled."""
 JUDGE_CASES = ConsumerDef(
     durable="judge-cases",
     stream="CASES",
@@ -83,7 +94,10 @@ EXPORTER_CASES = ConsumerDef(
     durable="exporter-cases", stream="CASES", filter_subjects=("case.judged.>",), max_ack_pending=2, ack_wait_s=60.0
 )
 GATEWAY_RECORDER = ConsumerDef(
-    durable="gateway-recorder", stream="CASES", filter_subjects=("batch.>", "case.>"), max_ack_pending=20000
+    durable="gateway-recorder",
+    stream="CASES",
+    filter_subjects=("batch.>", "case.>", "online.>"),
+    max_ack_pending=20000,
 )
 
 CONSUMERS: tuple[ConsumerDef, ...] = (
@@ -91,6 +105,7 @@ CONSUMERS: tuple[ConsumerDef, ...] = (
     DISPATCHER_CASES,
     COLLECTOR_CASES,
     COLLECTOR_OBSERVATIONS,
+    COLLECTOR_SPANS,
     JUDGE_CASES,
     EXPORTER_CASES,
     GATEWAY_RECORDER,

@@ -14,6 +14,9 @@ CASE_JUDGED = "case.judged"
 CASE_EXPORTED = "case.exported"
 CASE_OBSERVED = "case.observed"
 OBS_RECEIVED = "obs.received"
+OBS_SPANS = "obs.spans"
+ONLINE_SUITE = "online.suite"
+ONLINE_FATE = "online.fate"
 
 
 def batch_subject(kind: str, batch_id: str) -> str:
@@ -45,6 +48,21 @@ def live_filter(run_id: str) -> str:
 def observation_subject(target: str) -> str:
     """`obs.received.<target>`."""
     return f"{OBS_RECEIVED}.{encode_token(target)}"
+
+
+def spans_subject(target: str) -> str:
+    """`obs.spans.<target>`: OTLP spans the collector received, waiting to be assembled."""
+    return f"{OBS_SPANS}.{encode_token(target)}"
+
+
+def online_suite_subject(suite_id: str) -> str:
+    """`online.suite.<suite>`: the definitions of one online suite (the last one holds)."""
+    return f"{ONLINE_SUITE}.{encode_token(suite_id)}"
+
+
+def online_fate_subject(observation_id: str) -> str:
+    """`online.fate.<observation>`: what became of one observation, per suite."""
+    return f"{ONLINE_FATE}.{encode_token(observation_id)}"
 
 
 def dlq_subject(service: str) -> str:

@@ -149,3 +149,26 @@ TRACE_KINDS: tuple[str, ...] = (
     "span",
     "infra",
 )
+
+
+class SpanData(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One OpenTelemetry span as received (OTLP ingest), before it is mapped to trace events."""
+
+    trace_id: str
+    """Trace id, 32 lower-case hex digits."""
+    span_id: str
+    """Span id, 16 lower-case hex digits."""
+    parent_id: str | None = None
+    """Parent span id (None: a root span)."""
+    name: str = ""
+    """Span name."""
+    start_ns: int = 0
+    """Start, Unix nanoseconds."""
+    end_ns: int | None = None
+    """End, Unix nanoseconds (None: not ended when exported)."""
+    attributes: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Span attributes (OTLP values as JSON: text, numbers, booleans, lists of those)."""
+    error: bool = False
+    """The span's status is ERROR."""
+    status_message: str | None = None
+    """Status message, when any."""
