@@ -99,6 +99,13 @@ async def dead_letter_for(pipeline: Pipeline, service: str, subject: str, timeou
     return found[0]
 
 
+async def restart_s(pipeline: Pipeline, service: str) -> float:
+    """Seconds from killing `service` to its replacement being ready."""
+    began = time.monotonic()
+    await pipeline.restart(service)
+    return time.monotonic() - began
+
+
 def gated_batch(started: Path, go: Path) -> BatchSpec:
     """A normal batch whose first case is in flight until `go` exists."""
     return BatchSpec(
@@ -232,10 +239,8 @@ async def test_garbage_cancellation_neither_stalls_the_dispatcher_nor_loses_canc
     still stop a batch, and a dispatcher restarting with the garbage in the stream must be ready as
     quickly as before (the only test of this module storing a garbage cancellation, so the baseline
     restart below sees none)."""
-    # A baseline restart, before any garbage cancellation is stored.
-    began = time.monotonic()
-    await pipeline.restart("dispatcher")
-    baseline_s = time.monotonic() - began
+    # The baseline: the slower of two restarts before any garbage cancellation is stored.
+    baseline_s = max([await restart_s(pipeline, "dispatcher") for _ in range(2)])
 
     token = f"poison-cancel-{uuid.uuid4().hex[:10]}"
     subject = f"batch.cancelled.{token}"
@@ -259,11 +264,13 @@ async def test_garbage_cancellation_neither_stalls_the_dispatcher_nor_loses_canc
     runs = await pipeline.runs(batch_id)
     assert [runs[c].executed_status for c in ("c1", "c2", "c3")] == ["succeeded", "cancelled", "cancelled"]
 
-    # A restart with the garbage stored: as quick as the baseline (give or take scheduling noise).
-    began = time.monotonic()
-    await pipeline.restart("dispatcher")
-    with_garbage_s = time.monotonic() - began
-    assert with_garbage_s < baseline_s + 3.0, (
+    # Restarts with the garbage stored: as quick as the baseline. A dispatcher the garbage kept
+    # from catching up on cancellations would wait out its catch-up timeout (5 s) on every
+    # restart, so the quicker of two is compared, against the slower baseline.
+    with_garbage_s = min([await restart_s(pipeline, "dispatcher") for _ in range(2)])
+    log = pipeline.stack.log_tail("dispatcher", 1000)
+    assert with_garbage_s <= 1.5 * baseline_s, (
         f"dispatcher restart took {with_garbage_s:.1f}s with a garbage cancellation stored, "
         f"{baseline_s:.1f}s without:\n{pipeline.stack.log_tail('dispatcher', 5)}"
     )
+    assert "cancellations at start" not in log, log  # it caught up, rather than giving up waiting
