@@ -14,23 +14,28 @@ stage a process of its own on a durable pull consumer (`max_ack_pending` 2,000),
   forwards each payload undecoded to the next subject with a core publish whose reply inbox
   collects the PubAck (`Nats-Msg-Id` set, as the chassis does), and acks the input when the PubAck
   arrives — all in subscription callbacks, no task per message, so many messages are in flight.
+  Like the chassis it pulls afresh after a reconnect, and a forward left without a PubAck gives
+  its slot back (its input is nak'ed, redelivered, and deduplicated on the next publish).
 
 `run_mode` starts the three stage processes, warms them up and drives `n` requests through them
-(`drive`): end-to-end events/s and publish-to-`case.exported` latency.
+(`drive`): end-to-end events/s and publish-to-`case.exported` latency. A stage process that exits,
+or a relay that stalls, fails the run with each stage's consumer state and log tail.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -54,6 +59,8 @@ from evalbus_contracts.streams import CASES, ConsumerDef
 from evalbus_runtime import Delivery, Publisher, Service, ServiceSettings, Stage, connect, ensure_topology
 from evalbus_runtime.bus import ensure_consumer
 
+T = TypeVar("T")
+
 STAGES = ("case.requested", "case.executed", "case.judged")
 """The subjects the three stages consume (each publishes the next one, the last `case.exported`)."""
 MODES = ("bare", "chassis")
@@ -61,6 +68,8 @@ IN_FLIGHT = 256
 """Messages a stage holds at once, in both modes (the chassis stage's `concurrency`)."""
 PULL_EXPIRES_S = 10.0
 """Lifetime of one pull request (the chassis' default)."""
+PUBACK_TIMEOUT_S = 10.0
+"""A forward without a PubAck by then gives its slot back and naks its input (redelivered)."""
 
 
 def consumer_for(mode: str, stage: int, batch: str) -> ConsumerDef:
@@ -158,7 +167,7 @@ class BareStage:
         self._inbox = nc.new_inbox()
         self._ack_inbox = nc.new_inbox()
         self._pulls: dict[str, _Pull] = {}
-        self._forwarded: dict[str, Msg] = {}
+        self._forwarded: dict[str, tuple[Msg, float]] = {}
         self._ids = itertools.count(1)
         self._refill_scheduled = False
 
@@ -169,13 +178,24 @@ class BareStage:
             f"{self._ack_inbox}.*", cb=self._on_puback, pending_msgs_limit=-1, pending_bytes_limit=-1
         )
         await self._refill()
-        while True:  # forget pulls whose expiry status was lost, so their credit comes back
+        while True:  # forget pulls and forwards whose answer was lost, so their credit comes back
             await asyncio.sleep(1.0)
             now = time.monotonic()
             for rid, pull in list(self._pulls.items()):
                 if now > pull.deadline + 2.0:
                     del self._pulls[rid]
+            for reply, (msg, sent) in list(self._forwarded.items()):
+                if now - sent > PUBACK_TIMEOUT_S:
+                    del self._forwarded[reply]
+                    with contextlib.suppress(Exception):
+                        await msg.nak()
+                    self._free += 1
             self._schedule_refill()
+
+    def reset_pulls(self) -> None:
+        """After a reconnect the server has forgotten the pull requests: pull afresh."""
+        self._pulls.clear()
+        self._schedule_refill()
 
     def _schedule_refill(self) -> None:
         # One pull request for all the slots freed in one read of the socket.
@@ -207,15 +227,16 @@ class BareStage:
         self._free -= 1
         rest = msg.subject.split(".", 2)[2]
         reply = f"{self._ack_inbox}.{next(self._ids)}"
-        self._forwarded[reply] = msg
+        self._forwarded[reply] = (msg, time.monotonic())
         await self._nc.publish(
             f"{self._next}.{rest}", msg.data, reply=reply, headers={"Nats-Msg-Id": f"{self._next}:{rest}"}
         )
 
     async def _on_puback(self, ack: Msg) -> None:
-        msg = self._forwarded.pop(ack.subject, None)
-        if msg is None:
+        forwarded = self._forwarded.pop(ack.subject, None)
+        if forwarded is None:
             return
+        msg = forwarded[0]
         if not ack.data or b'"error"' in ack.data:
             await msg.nak()  # not stored: let JetStream redeliver the input
         else:
@@ -226,11 +247,18 @@ class BareStage:
 
 async def bare_stage(url: str, stage: int, batch: str) -> None:
     """One stage as a bare nats-py relay, until terminated."""
-    nc = await connect(url, f"bare{stage}")
+    relay: BareStage | None = None
+
+    async def reconnected() -> None:
+        if relay is not None:
+            relay.reset_pulls()
+
+    nc = await connect(url, f"bare{stage}", on_reconnect=reconnected)
     consumer = consumer_for("bare", stage, batch)
     await ensure_consumer(nc.jetstream(), consumer)
     nxt = STAGES[stage + 1] if stage + 1 < len(STAGES) else "case.exported"
-    await BareStage(nc, consumer, nxt, IN_FLIGHT).run()
+    relay = BareStage(nc, consumer, nxt, IN_FLIGHT)
+    await relay.run()
 
 
 # ---------------------------------------------------------------- running a relay
@@ -238,7 +266,7 @@ async def bare_stage(url: str, stage: int, batch: str) -> None:
 
 def spawn(mode: str, url: str, stage: int, batch: str, logdir: Path) -> subprocess.Popen[bytes]:
     """One stage process (this file run as `stage <mode> <url> <stage> <batch>`)."""
-    log = open(logdir / f"{mode}-{stage}.log", "wb")  # noqa: SIM115 - the child owns it
+    log = open(logdir / f"{mode}-{stage}-{batch}.log", "wb")  # noqa: SIM115 - the child owns it
     return subprocess.Popen(
         [sys.executable, __file__, "stage", mode, url, str(stage), batch],
         stdout=log,
@@ -315,8 +343,13 @@ async def run_mode(url: str, mode: str, n: int, rate: float | None, logdir: Path
     await nc.close()
     procs = [spawn(mode, url, stage, batch, logdir) for stage in range(3)]
     try:
-        await drive(url, batch, 200, None, prefix="w")  # warm-up: every stage process is ready
-        return await drive(url, batch, n, rate)
+        # warm-up: every stage process is ready
+        await while_alive(procs, drive(url, batch, 200, None, prefix="w"))
+        return await while_alive(procs, drive(url, batch, n, rate))
+    except (TimeoutError, ChildProcessError) as e:
+        raise RuntimeError(
+            f"the {mode} relay failed ({e!r}): {await stall_report(url, mode, batch, procs, logdir)}"
+        ) from e
     finally:
         for p in procs:
             p.terminate()
@@ -325,6 +358,39 @@ async def run_mode(url: str, mode: str, n: int, rate: float | None, logdir: Path
                 p.wait(15)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+async def while_alive(procs: Sequence[subprocess.Popen[bytes]], work: Awaitable[T]) -> T:
+    """`work`, cancelled with `ChildProcessError` as soon as one of `procs` exits."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        dead = [p.pid for p in procs if p.poll() is not None]
+        if dead:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise ChildProcessError(f"stage process {dead} exited")
+        await asyncio.wait({task}, timeout=0.5)
+    return task.result()
+
+
+async def stall_report(url: str, mode: str, batch: str, procs: Sequence[subprocess.Popen[bytes]], logdir: Path) -> str:
+    """What each stage's consumer holds, whether its process lives, and its log's tail."""
+    nc = await connect(url, "bench-stall")
+    lines = []
+    try:
+        for stage, proc in enumerate(procs):
+            consumer = consumer_for(mode, stage, batch)
+            info = await nc.jetstream().consumer_info(consumer.stream, consumer.durable)
+            log = (logdir / f"{mode}-{stage}-{batch}.log").read_text(errors="replace")[-600:]
+            lines.append(
+                f"stage {stage}: exit {proc.poll()}, pending {info.num_pending}, ack pending "
+                f"{info.num_ack_pending}, redelivered {info.num_redelivered}, waiting pulls {info.num_waiting}; "
+                f"log: {log!r}"
+            )
+    finally:
+        await nc.close()
+    return "; ".join(lines)
 
 
 def stage_main(argv: Sequence[str]) -> None:
