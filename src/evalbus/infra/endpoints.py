@@ -73,6 +73,8 @@ class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
     """Embedded server log file."""
     gateway: str | None = None
     """The gateway's HTTP URL."""
+    otlp: str | None = None
+    """The collector's OTLP/HTTP receiver base URL (production traces go to `<otlp>/v1/traces`)."""
     services: dict[str, ServiceEndpoint] = msgspec.field(default_factory=dict)
     """Service name → process and URLs."""
     token_file: str | None = None

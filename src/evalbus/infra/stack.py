@@ -59,7 +59,7 @@ SERVICE_CMD_ENV = "EVALBUS_SERVICE_CMD_"
 
 # Settings `up` owns for every service. The chassis reads `<SERVICE>_<KEY>` before `<KEY>`, so a
 # prefixed variable left in the caller's environment would silently override what `up` recorded.
-_MANAGED_KEYS = ("NATS_URL", "DATABASE_URL", "HTTP_HOST", "HTTP_PORT", "STATE_DIR", "ADMIN_TOKEN")
+_MANAGED_KEYS = ("NATS_URL", "DATABASE_URL", "HTTP_HOST", "HTTP_PORT", "STATE_DIR", "ADMIN_TOKEN", "OTLP_PORT")
 
 RUN_MARKER = "==== evalbus up"
 """First line `up` appends to a service's log before starting it: tails start after the last one."""
@@ -323,9 +323,17 @@ def service_command(name: str, environ: Mapping[str, str]) -> list[str]:
 
 
 def service_env(
-    name: str, environ: Mapping[str, str], *, nats: str, database: str, port: int, state_dir: Path, token: str
+    name: str,
+    environ: Mapping[str, str],
+    *,
+    nats: str,
+    database: str,
+    port: int,
+    state_dir: Path,
+    token: str,
+    otlp_port: int | None = None,
 ) -> dict[str, str]:
-    """The environment a service is started with."""
+    """The environment a service is started with (the collector's OTLP receiver on `otlp_port`)."""
     prefix = name.upper() + "_"
     env = {k: v for k, v in environ.items() if not (k.startswith(prefix) and k[len(prefix) :] in _MANAGED_KEYS)}
     env.update(
@@ -339,6 +347,8 @@ def service_env(
     env.pop("GATEWAY_ADMIN_TOKEN", None)
     if name == "gateway":
         env["GATEWAY_ADMIN_TOKEN"] = token
+    if name == "collector" and otlp_port is not None:
+        env["COLLECTOR_OTLP_PORT"] = str(otlp_port)
     return env
 
 
@@ -352,6 +362,9 @@ def _up_services(layout: _Layout, previous: Endpoints, current: Endpoints, resul
     taken = {url_port(current.nats)}
     keep = {name for name in SERVICES if (svc := services.get(name)) is not None and _alive(svc.process) and not moved}
     taken |= {services[name].port for name in keep}
+    otlp = current.otlp if "collector" in keep else None
+    if otlp is not None:
+        taken.add(url_port(otlp))
     restart = [svc.process for name, svc in services.items() if name not in keep and svc.process is not None]
     stop([p for p in restart if p is not None])
     for name in SERVICES:
@@ -362,6 +375,11 @@ def _up_services(layout: _Layout, previous: Endpoints, current: Endpoints, resul
             continue
         port = _pick_port(svc.port if svc else None, taken)
         taken.add(port)
+        otlp_port = None
+        if name == "collector":
+            otlp_port = _pick_port(url_port(previous.otlp) if previous.otlp else None, taken)
+            taken.add(otlp_port)
+            otlp = f"http://127.0.0.1:{otlp_port}"
         log = layout.log(name)
         argv = service_command(name, os.environ)
         env = service_env(
@@ -372,6 +390,7 @@ def _up_services(layout: _Layout, previous: Endpoints, current: Endpoints, resul
             port=port,
             state_dir=layout.root,
             token=token,
+            otlp_port=otlp_port,
         )
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("a") as f:
@@ -387,7 +406,13 @@ def _up_services(layout: _Layout, previous: Endpoints, current: Endpoints, resul
         result.started.append(name)
         say(f"{name:<10} started at {http} (pid {proc.pid})")
     gateway = services.get("gateway")
-    return replace(current, services=services, gateway=gateway.http if gateway else None, token_file=str(layout.token))
+    return replace(
+        current,
+        services=services,
+        gateway=gateway.http if gateway else None,
+        otlp=otlp,
+        token_file=str(layout.token),
+    )
 
 
 def wait_healthy(endpoints: Endpoints, *, services: bool, timeout_s: float) -> StackHealth:

@@ -58,6 +58,8 @@ class ServiceStack:
     """Extra environment per service name."""
     admin_token: str = field(default_factory=lambda: secrets.token_hex(16))
     procs: dict[str, ServiceProc] = field(default_factory=dict)
+    otlp_port: int = 0
+    """The collector's OTLP/HTTP receiver port (picked at its first start)."""
     _starts: int = 0
 
     def start(self, name: str, *, wait: bool = True, **extra_env: str) -> ServiceProc:
@@ -71,6 +73,8 @@ class ServiceStack:
         self._starts += 1
         log_path = self.workdir / f"{name}-{self._starts}.log"
         log_file = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        if name == "collector" and not self.otlp_port:
+            self.otlp_port = self._new_port()
         env = {
             **os.environ,
             "NATS_URL": self.nats_url,
@@ -85,6 +89,8 @@ class ServiceStack:
             **self.service_env.get(name, {}),
             **extra_env,
         }
+        if name == "collector":
+            env["COLLECTOR_OTLP_PORT"] = str(self.otlp_port)
         proc = subprocess.Popen(
             [sys.executable, "-m", f"evalbus_{name}"],
             env=env,
@@ -100,7 +106,7 @@ class ServiceStack:
 
     def _new_port(self) -> int:
         # Services started together could be handed the same free port before either binds it.
-        taken = {sp.port for sp in self.procs.values()}
+        taken = {sp.port for sp in self.procs.values()} | {self.otlp_port}
         while (port := free_port()) in taken:
             pass
         return port
@@ -158,6 +164,11 @@ class ServiceStack:
         """The last lines of the current log of `name`."""
         text = self.procs[name].log_path.read_text(errors="replace")
         return "\n".join(text.splitlines()[-lines:])
+
+    @property
+    def otlp_url(self) -> str:
+        """Base URL of the collector's OTLP/HTTP receiver (`<url>/v1/traces`)."""
+        return f"http://127.0.0.1:{self.otlp_port}"
 
     @property
     def gateway_url(self) -> str:

@@ -1,6 +1,7 @@
 """Wiring of the collector: `case.executed` events whose trace is deferred (`control-plane` collect)
 are completed by pulling the platform trace and published as `case.collected`, which the judge
-consumes. Complete cases are acknowledged and ignored."""
+consumes; complete cases are acknowledged and ignored. Online evaluation (the OTLP/HTTP receiver,
+trace assembly and sampling) is wired by `evalbus_collector.online.stages`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Sequence
 import aiohttp
 
 from evalbus_collector.complete import complete
+from evalbus_collector.online.stages import OnlineIngest, online_settings
 from evalbus_contracts import CaseExecuted
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import COLLECTOR_CASES
@@ -27,10 +29,28 @@ class CollectorSettings(ServiceSettings):
     """First delay before re-pulling from an unavailable endpoint."""
     empty_pull_delay_s: float = 2.0
     """Delay between empty pulls (3 pulls in all)."""
+    otlp_host: str = "127.0.0.1"
+    """Address of the OTLP/HTTP traces receiver (online evaluation)."""
+    otlp_port: int = 4318
+    """Port of the OTLP/HTTP receiver (the standard 4318; 0: any free port; -1: no receiver)."""
+    otlp_max_body_bytes: int = 4 * 1024 * 1024
+    """Largest export request body, after decompression (413 past it)."""
+    otlp_max_in_flight: int = 64
+    """Export requests being stored at once; more are answered 429 with Retry-After."""
+    settle_s: float = 5.0
+    """A trace is whole when its root span ended and no span came for this long."""
+    max_wait_s: float = 60.0
+    """...or this long after its first span, whatever else."""
+    spans_concurrency: int = 20_000
+    """Span batches held at once by one replica while their traces assemble."""
+    observations_concurrency: int = 64
+    """Observations sampled at once by one replica."""
+    observation_max_bytes: int = 900_000
+    """Largest assembled observation; a bigger one is dropped with fate `too_large`."""
 
 
-def build_collector(service: Service, settings: CollectorSettings, secrets: SecretStore | None = None) -> None:
-    """Add the collection stage to `service`."""
+def build_collector(service: Service, settings: CollectorSettings, secrets: SecretStore | None = None) -> OnlineIngest:
+    """Add the collection stage and the online-evaluation stages to `service`."""
     store = secrets or SecretStore()
     session: aiohttp.ClientSession | None = None
 
@@ -63,3 +83,6 @@ def build_collector(service: Service, settings: CollectorSettings, secrets: Secr
     service.add_stage(
         Stage(consumer=COLLECTOR_CASES, handler=handle, accepts=(CaseExecuted,), concurrency=settings.concurrency)
     )
+    online = OnlineIngest(service, online_settings(settings))
+    online.wire()
+    return online

@@ -16,7 +16,7 @@ from typing import TypeVar
 import msgspec
 from aiohttp import web
 
-from evalbus_contracts import BatchSpec, CommandGrader, RegexJudge, TextMetricGrader, decode
+from evalbus_contracts import BatchSpec, CommandGrader, JudgeSpec, RegexJudge, TextMetricGrader, decode
 from evalbus_gateway.api.errors import ApiError, invalid
 
 T = TypeVar("T")
@@ -94,6 +94,28 @@ def _id_problem(value: str, field: str, what: str) -> SpecProblem | None:
     return None
 
 
+def suite_id_problem(value: str, field: str) -> SpecProblem | None:
+    """The problem of a suite id (empty, too long), if any."""
+    return _id_problem(value, field, "suite id")
+
+
+def judges_problems(judges: Sequence[JudgeSpec], at: str) -> list[SpecProblem]:
+    """Every rule a list of judges breaks (ids unique, non-empty, without ':'; regexes compile)."""
+    out: list[SpecProblem | None] = []
+    seen_judges: set[str] = set()
+    for k, judge in enumerate(judges):
+        j_at = f"{at}[{k}]"
+        out.append(_id_problem(judge.id, f"{j_at}.id", "judge id"))
+        if ":" in judge.id:
+            out.append(SpecProblem(f"{j_at}.id", "a judge id must not contain ':'"))
+        if judge.id in seen_judges:
+            out.append(SpecProblem(f"{j_at}.id", f"duplicate judge id {judge.id!r}"))
+        seen_judges.add(judge.id)
+        if isinstance(judge, RegexJudge) and judge.pattern is not None:
+            out.append(_regex_problem(judge.pattern, f"{j_at}.pattern"))
+    return [p for p in out if p is not None]
+
+
 def batch_spec_problems(spec: BatchSpec) -> list[SpecProblem]:
     """Every rule `spec` breaks, in document order (empty: valid)."""
     out: list[SpecProblem | None] = []
@@ -127,17 +149,7 @@ def batch_spec_problems(spec: BatchSpec) -> list[SpecProblem]:
         out.append(SpecProblem("$.harness.command", "the harness command needs at least the program"))
     if harness.timeout_s <= 0:
         out.append(SpecProblem("$.harness.timeout_s", "must be greater than 0"))
-    seen_judges: set[str] = set()
-    for k, judge in enumerate(spec.judges):
-        j_at = f"$.judges[{k}]"
-        out.append(_id_problem(judge.id, f"{j_at}.id", "judge id"))
-        if ":" in judge.id:
-            out.append(SpecProblem(f"{j_at}.id", "a judge id must not contain ':'"))
-        if judge.id in seen_judges:
-            out.append(SpecProblem(f"{j_at}.id", f"duplicate judge id {judge.id!r}"))
-        seen_judges.add(judge.id)
-        if isinstance(judge, RegexJudge) and judge.pattern is not None:
-            out.append(_regex_problem(judge.pattern, f"{j_at}.pattern"))
+    out.extend(judges_problems(spec.judges, "$.judges"))
     policy = spec.policy
     if not 1 <= policy.trials <= MAX_TRIALS:
         out.append(SpecProblem("$.policy.trials", f"must be between 1 and {MAX_TRIALS}"))

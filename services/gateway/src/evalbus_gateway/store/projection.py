@@ -30,12 +30,21 @@ from evalbus_contracts import (
     CaseJudged,
     CaseRequested,
     Event,
+    ObservationFate,
     encode,
 )
 from evalbus_grading.verdict import decide, objective_metrics_of
 
 if TYPE_CHECKING:
     from evalbus_gateway.store.connections import Connection
+
+ONLINE_BATCH_PREFIX = "online-"
+"""The pseudo-batch of an online suite's judged observations is `online-<suite id>` (the judge's)."""
+
+_ONLINE_FATE = (
+    "INSERT INTO online_fates (suite_id, observation_id, fate, reason, detail, trace_id, target, ts)"
+    " VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING"
+)
 
 RESULT_RANK: dict[str, int] = {"case.executed": 1, "case.collected": 2, "case.judged": 3}
 """Which stage's result a run shows: the furthest recorded."""
@@ -285,9 +294,10 @@ def _run_patch(
 class Fold:
     """What a chunk of events changes in `batches` and `runs`, merged in Python (pure)."""
 
-    __slots__ = ("cancelled", "counts", "finalized", "requested", "runs")
+    __slots__ = ("cancelled", "counts", "fates", "finalized", "requested", "runs")
 
     def __init__(self) -> None:
+        self.fates: list[tuple[Any, ...]] = []
         self.requested: list[tuple[Any, ...]] = []
         self.counts: defaultdict[str, _Counts] = defaultdict(_Counts)
         self.runs: dict[str, _RunPatch] = {}
@@ -297,6 +307,23 @@ class Fold:
     def add(self, event: Event) -> None:
         """Fold in the next event (events are added in sequence order)."""
         batch_id = event.batch_id
+        if isinstance(event, ObservationFate):
+            self.fates.append(
+                (
+                    event.suite_id or "",
+                    event.observation_id,
+                    event.fate,
+                    event.reason,
+                    event.detail,
+                    event.trace_id,
+                    event.target,
+                    event.ts,
+                )
+            )
+            return
+        if isinstance(event, CaseJudged) and batch_id is not None and batch_id.startswith(ONLINE_BATCH_PREFIX):
+            suite_id = batch_id[len(ONLINE_BATCH_PREFIX) :]
+            self.fates.append((suite_id, event.case_id or "", "judged", "judged", None, None, None, event.ts))
         if isinstance(event, BatchRequested):
             if batch_id is None:
                 return
@@ -388,6 +415,8 @@ async def apply_fold(conn: Connection, folded: Fold, *, sealed_runs: Collection[
         await conn.executemany(_BATCH_CANCELLED, folded.cancelled)
     if folded.finalized:
         await conn.executemany(_BATCH_FINALIZED, folded.finalized)
+    if folded.fates:
+        await conn.executemany(_ONLINE_FATE, folded.fates)
 
 
 async def project(conn: Connection, events: Iterable[Event]) -> None:

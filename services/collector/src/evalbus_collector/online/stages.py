@@ -1,0 +1,185 @@
+"""Wiring of online evaluation in the collector: the OTLP receiver, the span-assembly stage
+(`collector-spans`), the sampling stage (`collector-observations`) and the suite registry.
+
+    obs.spans.<service>  ──assemble──▶  obs.received.<service>  ──decide──▶  case.observed + online.fate
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from evalbus_collector.online.assembly import PendingTrace, TraceAssembler
+from evalbus_collector.online.decide import decide
+from evalbus_collector.online.observation import observation_of
+from evalbus_collector.online.receiver import OtlpReceiver, ReceiverMetrics
+from evalbus_collector.online.suites import SuiteRegistry
+from evalbus_contracts import ObservationFate, ObservationReceived, ObservationSpans, encode
+from evalbus_contracts.events import EventBase
+from evalbus_contracts.streams import COLLECTOR_OBSERVATIONS, COLLECTOR_SPANS
+from evalbus_runtime import Delivery, Service, Stage
+
+log = logging.getLogger("evalbus.collector.online")
+
+
+@dataclass(frozen=True)
+class OnlineSettings:
+    """The online part of the collector's settings."""
+
+    otlp_host: str = "127.0.0.1"
+    otlp_port: int = 4318
+    otlp_max_body_bytes: int = 4 * 1024 * 1024
+    otlp_max_in_flight: int = 64
+    settle_s: float = 5.0
+    max_wait_s: float = 60.0
+    spans_concurrency: int = 20_000
+    observations_concurrency: int = 64
+    observation_max_bytes: int = 900_000
+
+
+def _late(batch: ObservationSpans, detail: str) -> ObservationFate:
+    return ObservationFate(
+        observation_id=batch.trace_id,
+        trace_id=batch.trace_id,
+        target=batch.target,
+        fate="late",
+        reason="late_spans",
+        detail=detail,
+    )
+
+
+class OnlineIngest:
+    """The collector's online stages and their resources."""
+
+    def __init__(self, service: Service, settings: OnlineSettings) -> None:
+        self._service = service
+        self._settings = settings
+        self.suites = SuiteRegistry()
+        self.assembler = TraceAssembler(settle_s=settings.settle_s, max_wait_s=settings.max_wait_s)
+        self._metrics = ReceiverMetrics(service.metrics.registry)
+        self.receiver: OtlpReceiver | None = None
+        self._ticker: asyncio.Task[None] | None = None
+
+    def wire(self) -> None:
+        """Add the stages and the start / stop hooks to the service."""
+        service = self._service
+        service.on_start(self._start)
+        service.on_stop(self._stop)
+        service.add_stage(
+            Stage(
+                consumer=COLLECTOR_SPANS,
+                handler=self.on_spans,
+                accepts=(ObservationSpans,),
+                concurrency=self._settings.spans_concurrency,
+            )
+        )
+        service.add_stage(
+            Stage(
+                consumer=COLLECTOR_OBSERVATIONS,
+                handler=self.on_observation,
+                accepts=(ObservationReceived,),
+                concurrency=self._settings.observations_concurrency,
+            )
+        )
+
+    async def _start(self, service: Service) -> None:
+        await self.suites.start(service.js)
+        self._ticker = asyncio.create_task(self.assembler.run_ticker(), name="trace-assembly")
+        s = self._settings
+        if s.otlp_port >= 0:
+            self.receiver = OtlpReceiver(
+                service.publisher,
+                host=s.otlp_host,
+                port=s.otlp_port,
+                max_body_bytes=s.otlp_max_body_bytes,
+                max_in_flight=s.otlp_max_in_flight,
+                metrics=self._metrics,
+            )
+            await self.receiver.start()
+
+    async def _stop(self, _: Service) -> None:
+        if self.receiver is not None:
+            await self.receiver.stop()
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+        await self.suites.stop()
+
+    # ------------------------------------------------------------ stages
+
+    async def on_spans(self, batch: ObservationSpans, delivery: Delivery) -> Sequence[EventBase]:
+        """Hold a span batch until its trace is whole; the trace's first batch publishes it."""
+        if self.assembler.is_late(batch):
+            return [_late(batch, f"{len(batch.spans)} spans after the trace was assembled")]
+        trace, owner = self.assembler.add(batch)
+        trace.redelivered |= delivery.num_delivered > 1
+        if owner:
+            loop = asyncio.get_running_loop()
+            trace.published = loop.create_future()
+            trace.published.add_done_callback(_retrieve)
+        await trace.whole.wait()
+        assert trace.published is not None
+        if not owner:
+            await asyncio.shield(trace.published)
+            return []
+        try:
+            outputs = await self._publish(trace)
+        except BaseException as e:
+            self.assembler.abandon(trace)
+            if not trace.published.done():
+                trace.published.set_exception(e if isinstance(e, Exception) else RuntimeError("cancelled"))
+            raise
+        self.assembler.finish(trace)
+        trace.published.set_result(None)
+        return outputs
+
+    async def _publish(self, trace: PendingTrace) -> Sequence[EventBase]:
+        obs = observation_of(trace.target, trace.trace_id, trace.spans.values(), trace.resource)
+        if len(encode(obs)) > self._settings.observation_max_bytes:
+            return [
+                ObservationFate(
+                    observation_id=obs.observation_id,
+                    trace_id=obs.trace_id,
+                    target=obs.target,
+                    fate="dropped",
+                    reason="too_large",
+                    detail=f"{len(trace.spans)} spans, over {self._settings.observation_max_bytes} bytes",
+                )
+            ]
+        ack = await self._service.publisher.publish_event(obs)
+        if ack.duplicate and not trace.redelivered:
+            # Assembled before (by another replica, or before a restart) and none of these spans
+            # was a redelivery: they came after the trace was judged complete.
+            return [
+                ObservationFate(
+                    observation_id=obs.observation_id,
+                    trace_id=obs.trace_id,
+                    target=obs.target,
+                    fate="late",
+                    reason="late_spans",
+                    detail=f"{len(trace.spans)} spans after the trace was assembled",
+                )
+            ]
+        return []
+
+    async def on_observation(self, obs: ObservationReceived, _: Delivery) -> Sequence[EventBase]:
+        """Decide an observation's fate for every suite; `case.observed` for each that samples it."""
+        decision = decide(obs, self.suites.suites)
+        return [*decision.fates, *decision.observed]
+
+
+def _retrieve(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def online_settings(values: object) -> OnlineSettings:
+    """The online settings out of the collector's settings object."""
+    fields = {f: getattr(values, f) for f in OnlineSettings.__dataclass_fields__}
+    return msgspec.convert(fields, OnlineSettings)

@@ -1,0 +1,183 @@
+"""Reads of online evaluation: observation fates, fate counts, and a suite's rolling scores.
+
+Fates come from the `online_fates` read model; a suite's scores from the `runs` rows of its
+pseudo-batch `online-<suite>` (one per judged observation), windowed on `judged_at`, which is the
+`case.judged` event's own timestamp.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from evalbus_contracts import Score
+from evalbus_gateway.store.connections import acquire
+from evalbus_gateway.store.projection import ONLINE_BATCH_PREFIX
+
+if TYPE_CHECKING:
+    from evalbus_gateway.store.connections import Database
+
+WINDOWS: tuple[tuple[str, str], ...] = (("hour", "1 hour"), ("day", "1 day"), ("week", "7 days"))
+"""Rolling windows of a suite's summary: name and PostgreSQL interval."""
+
+
+class FateView(msgspec.Struct, frozen=True, kw_only=True):
+    """One fate of one observation."""
+
+    suite_id: str | None
+    """The suite (None: no suite was defined when it arrived)."""
+    observation_id: str
+    """The observation."""
+    fate: str
+    """sampled, skipped, dropped, late, dead_lettered or judged."""
+    reason: str
+    """Why."""
+    detail: str | None = None
+    """More about the reason."""
+    trace_id: str | None = None
+    """The trace id, when the observation has one."""
+    at: datetime
+    """When it was decided."""
+
+
+class FateCount(msgspec.Struct, frozen=True, kw_only=True):
+    """How many observations met one fate for one reason."""
+
+    suite_id: str | None
+    fate: str
+    reason: str
+    count: int
+
+
+class MetricWindow(msgspec.Struct, frozen=True, kw_only=True):
+    """One metric over one rolling window."""
+
+    metric: str
+    """The metric (`judge:<id>` for judges)."""
+    window: str
+    """hour, day or week."""
+    count: int
+    """Measured scores in the window."""
+    mean: float | None
+    """Their mean."""
+    pass_rate: float | None
+    """Passed ÷ scores with a pass/fail (None: none has one)."""
+
+
+class JudgedObservation(msgspec.Struct, frozen=True, kw_only=True):
+    """A recently judged observation."""
+
+    observation_id: str
+    run_id: str
+    judged_at: datetime | None
+    answer: str | None = None
+    scores: list[Score] = msgspec.field(default_factory=list)
+    trajectory: str
+    """The API path of its stored events."""
+
+
+_FATES = """
+WITH observations AS (
+    SELECT DISTINCT observation_id FROM online_fates WHERE trace_id = $1 OR observation_id = $1
+)
+SELECT suite_id, observation_id, fate, reason, detail, trace_id, ts
+FROM online_fates
+WHERE observation_id IN (SELECT observation_id FROM observations)
+ORDER BY ts, suite_id, fate
+"""
+
+_COUNTS = """
+SELECT suite_id, fate, reason, count(*) AS n
+FROM online_fates
+WHERE ($1::text IS NULL OR suite_id = $1)
+GROUP BY suite_id, fate, reason
+ORDER BY suite_id, fate, reason
+"""
+
+_WINDOWED = """
+SELECT s.value->>'metric' AS metric,
+       count(*) AS n,
+       avg((s.value->>'value')::double precision) AS mean,
+       count(*) FILTER (WHERE s.value ? 'pass') AS with_pass,
+       count(*) FILTER (WHERE (s.value->>'pass')::boolean) AS passed
+FROM runs r, jsonb_array_elements(coalesce(r.scores, '[]'::jsonb)) AS s(value)
+WHERE r.batch_id = $1 AND r.judged_at >= now() - $2::interval AND s.value->>'status' = 'measured'
+GROUP BY 1
+ORDER BY 1
+"""
+
+_RECENT = """
+SELECT run_id, case_id, judged_at, answer, scores::text AS scores
+FROM runs
+WHERE batch_id = $1 AND judged_status IS NOT NULL
+ORDER BY judged_at DESC NULLS LAST, run_id
+LIMIT $2
+"""
+
+_SCORES = msgspec.json.Decoder(list[Score])
+
+
+async def observation_fates(db: Database, trace_id: str) -> list[FateView]:
+    """Every fate of the observations with this trace id (or observation id), in time order."""
+    async with acquire(db) as conn:
+        rows = await conn.fetch(_FATES, trace_id)
+    return [
+        FateView(
+            suite_id=r["suite_id"] or None,
+            observation_id=r["observation_id"],
+            fate=r["fate"],
+            reason=r["reason"],
+            detail=r["detail"],
+            trace_id=r["trace_id"],
+            at=r["ts"],
+        )
+        for r in rows
+    ]
+
+
+async def fate_counts(db: Database, suite_id: str | None = None) -> list[FateCount]:
+    """Observations per (suite, fate, reason), for one suite or all."""
+    async with acquire(db) as conn:
+        rows = await conn.fetch(_COUNTS, suite_id)
+    return [
+        FateCount(suite_id=r["suite_id"] or None, fate=r["fate"], reason=r["reason"], count=int(r["n"])) for r in rows
+    ]
+
+
+async def suite_windows(db: Database, suite_id: str) -> list[MetricWindow]:
+    """Per metric and rolling window: count, mean and pass rate of the suite's judged observations."""
+    batch_id = ONLINE_BATCH_PREFIX + suite_id
+    out: list[MetricWindow] = []
+    async with acquire(db) as conn:
+        for window, interval in WINDOWS:
+            for r in await conn.fetch(_WINDOWED, batch_id, interval):
+                with_pass = int(r["with_pass"])
+                out.append(
+                    MetricWindow(
+                        metric=r["metric"],
+                        window=window,
+                        count=int(r["n"]),
+                        mean=None if r["mean"] is None else float(r["mean"]),
+                        pass_rate=int(r["passed"]) / with_pass if with_pass else None,
+                    )
+                )
+    return out
+
+
+async def recent_judged(db: Database, suite_id: str, limit: int = 20) -> list[JudgedObservation]:
+    """The suite's most recently judged observations."""
+    async with acquire(db) as conn:
+        rows = await conn.fetch(_RECENT, ONLINE_BATCH_PREFIX + suite_id, limit)
+    return [
+        JudgedObservation(
+            observation_id=r["case_id"],
+            run_id=r["run_id"],
+            judged_at=r["judged_at"],
+            answer=r["answer"],
+            scores=_SCORES.decode(r["scores"]) if r["scores"] else [],
+            trajectory=f"/v1/runs/{r['run_id']}/trajectory",
+        )
+        for r in rows
+    ]
