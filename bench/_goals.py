@@ -63,9 +63,10 @@ def describe(g: Goal) -> str:
 
 
 def _number(value: float) -> str:
-    """Counts in full (40001, not 4e+04), other figures to 4 significant digits."""
-    if value == int(value) and abs(value) < 1e15:
-        return str(int(value))
+    """Whole numbers and figures from 1,000 up without decimals (40001, 23595, never 4e+04),
+    smaller ones to 4 significant digits."""
+    if abs(value) >= 1000 or value == int(value):
+        return f"{value:.0f}"
     return f"{value:.4g}"
 
 
