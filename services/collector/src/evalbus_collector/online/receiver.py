@@ -97,9 +97,9 @@ class OtlpReceiver:
 
     def app(self) -> web.Application:
         """The aiohttp application (one route)."""
-        # aiohttp refuses bodies over client_max_size with 413 before we read them; the exact limit
-        # (after decompression) is checked by `read_body`.
-        app = web.Application(client_max_size=self._max_body + 1)
+        # aiohttp refuses bodies over client_max_size with 413 before we read them. It would also
+        # inflate gzip bodies itself: turned off, so `read_body` inflates with the exact limit.
+        app = web.Application(client_max_size=self._max_body + 1, handler_args={"auto_decompress": False})
         app.router.add_post("/v1/traces", self.traces)
         return app
 

@@ -33,6 +33,7 @@ from evalbus_gateway.api.models import (
     Me,
     Readiness,
 )
+from evalbus_gateway.api.online import ROUTES as ONLINE_ROUTES
 from evalbus_gateway.api.openapi import build_openapi
 from evalbus_gateway.api.reads import finalized_on_stream, find_batch, list_batches
 from evalbus_gateway.api.rejudge import ROUTE as REJUDGE_ROUTE
@@ -426,6 +427,7 @@ ROUTES: tuple[Route, ...] = (
         params=(_RUN_ID,),
         responses={200: Body("The trajectory", Trajectory)},
     ),
+    *ONLINE_ROUTES,
     Route(
         ("GET",),
         "/v1/me",

@@ -7,7 +7,7 @@ pseudo-batch `online-<suite>` (one per judged observation), windowed on `judged_
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -19,8 +19,12 @@ from evalbus_gateway.store.projection import ONLINE_BATCH_PREFIX
 if TYPE_CHECKING:
     from evalbus_gateway.store.connections import Database
 
-WINDOWS: tuple[tuple[str, str], ...] = (("hour", "1 hour"), ("day", "1 day"), ("week", "7 days"))
-"""Rolling windows of a suite's summary: name and PostgreSQL interval."""
+WINDOWS: tuple[tuple[str, timedelta], ...] = (
+    ("hour", timedelta(hours=1)),
+    ("day", timedelta(days=1)),
+    ("week", timedelta(days=7)),
+)
+"""Rolling windows of a suite's summary: name and length."""
 
 
 class FateView(msgspec.Struct, frozen=True, kw_only=True):

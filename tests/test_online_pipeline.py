@@ -1,0 +1,241 @@
+"""Online evaluation end to end: a real OpenTelemetry SDK application exports its traces to the
+collector's OTLP/HTTP receiver (protobuf, and JSON by hand), an online suite samples them by trace
+id, the judge scores the sampled ones, and every trace's fate is answered by the gateway.
+
+The services are real processes on a real nats-server and PostgreSQL (`open_pipeline`); the suite
+is applied through the gateway's API, exactly as `evalbus online apply` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from opentelemetry.exporter.otlp.proto.http import Compression
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+from evalbus.testing.pipeline import Pipeline, eventually, open_pipeline, read_stream
+from evalbus_contracts import CaseObserved, sampled_by_trace_id
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SUITE = "polite"
+RATIO = 0.5
+TRACES = 24
+
+
+@pytest.fixture(scope="module")
+async def pipeline(pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Pipeline]:
+    collector = {"COLLECTOR_SETTLE_S": "0.5", "COLLECTOR_MAX_WAIT_S": "20"}
+    async with open_pipeline(
+        pg_admin_url, tmp_path_factory.mktemp("online"), service_env={"collector": collector}
+    ) as p:
+        yield p
+
+
+async def api(p: Pipeline, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    async with (
+        aiohttp.ClientSession(headers=dict(p.stack.headers())) as session,
+        session.request(method, p.stack.gateway_url + path, json=body) as resp,
+    ):
+        return resp.status, await resp.json()
+
+
+def application(otlp_url: str, service: str, **resource: str) -> TracerProvider:
+    """A production application's tracing, as a team sets it up: the OTel SDK exporting over OTLP/HTTP."""
+    provider = TracerProvider(resource=Resource.create({"service.name": service, **resource}))
+    exporter = OTLPSpanExporter(endpoint=f"{otlp_url}/v1/traces", compression=Compression.Gzip, timeout=10)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider
+
+
+def serve_request(provider: TracerProvider, question: str, answer: str) -> str:
+    """One request of the application: a root span and an LLM call; its trace id."""
+    tracer = provider.get_tracer("support-bot")
+    with tracer.start_as_current_span("handle-request") as root:
+        root.set_attribute("input.value", question)
+        with tracer.start_as_current_span("llm") as llm:
+            llm.set_attribute("gen_ai.request.model", "m-1")
+            llm.set_attribute("gen_ai.usage.input_tokens", 12)
+            llm.set_attribute("gen_ai.usage.output_tokens", 5)
+        root.set_attribute("output.value", answer)
+        return f"{root.get_span_context().trace_id:032x}"
+
+
+async def judged(p: Pipeline, suite_id: str) -> int:
+    count = await p.pool.fetchval(
+        "SELECT count(*) FROM runs WHERE batch_id = $1 AND judged_status IS NOT NULL", f"online-{suite_id}"
+    )
+    return int(count)
+
+
+async def test_sampled_production_traces_are_judged_and_every_fate_is_answered(pipeline: Pipeline) -> None:
+    p = pipeline
+    suite_id = f"{SUITE}-{uuid.uuid4().hex[:6]}"
+    status, applied = await api(
+        p,
+        "POST",
+        "/v1/online/suites",
+        {
+            "id": suite_id,
+            "target": {"service": "support-bot", "attributes": {"deployment.environment": "prod"}},
+            "sample_ratio": RATIO,
+            "judges": [{"kind": "regex", "id": "polite", "pattern": "(?i)thank"}],
+        },
+    )
+    assert status == 201, applied
+    status, listed = await api(p, "GET", "/v1/online/suites")
+    assert status == 200
+    assert suite_id in [item["suite"]["id"] for item in listed["items"]]
+
+    # The collector follows suites from the stream: wait until it took this one (a trace of a
+    # service nobody samples is `not_target` for it only once the suite is known there).
+    probe = application(p.stack.otlp_url, "probe-service", **{"deployment.environment": "prod"})
+    probe_trace = await asyncio.to_thread(serve_request, probe, "ping", "pong")
+
+    async def probe_seen_by_suite() -> bool:
+        _, answer = await api(p, "GET", f"/v1/online/observations/{probe_trace}")
+        return any(f["suite_id"] == suite_id for f in answer["fates"])
+
+    await eventually(
+        probe_seen_by_suite, timeout_s=60, what="the collector to know the suite", diagnostics=p.diagnostics
+    )
+    probe.shutdown()
+
+    prod = application(p.stack.otlp_url, "support-bot", **{"deployment.environment": "prod"})
+    staging = application(p.stack.otlp_url, "support-bot", **{"deployment.environment": "staging"})
+    answers: dict[str, str] = {}
+    for i in range(TRACES):
+        answer = f"Thank you, order {i} ships today." if i % 3 else f"Order {i} ships today."
+        answers[await asyncio.to_thread(serve_request, prod, f"Where is order {i}?", answer)] = answer
+    staging_trace = await asyncio.to_thread(serve_request, staging, "Where is order 99?", "Thanks, it ships.")
+    prod.shutdown()
+    staging.shutdown()
+    json_trace = await post_json_trace(p)
+
+    sampled = {t for t in [*answers, json_trace] if sampled_by_trace_id(t, RATIO)}
+    assert 0 < len(sampled) < TRACES + 1  # the ratio really splits this set
+
+    async def all_judged() -> bool:
+        return await judged(p, suite_id) == len(sampled)
+
+    await eventually(all_judged, timeout_s=90, what="every sampled trace judged", diagnostics=p.diagnostics)
+    await p.quiescent(timeout_s=60)
+    assert await judged(p, suite_id) == len(sampled)
+
+    # every trace's fate, with its reason
+    for trace_id in [*answers, json_trace]:
+        _, answer = await api(p, "GET", f"/v1/online/observations/{trace_id}")
+        mine = sorted((f["fate"], f["reason"]) for f in answer["fates"] if f["suite_id"] == suite_id)
+        if trace_id in sampled:
+            assert mine == [("judged", "judged"), ("sampled", "sampled")], trace_id
+        else:
+            assert mine == [("skipped", "not_sampled")], trace_id
+    _, staged = await api(p, "GET", f"/v1/online/observations/{staging_trace}")
+    assert [(f["fate"], f["reason"]) for f in staged["fates"] if f["suite_id"] == suite_id] == [("skipped", "filtered")]
+    _, unknown = await api(p, "GET", f"/v1/online/observations/{uuid.uuid4().hex}")
+    assert unknown == {"trace_id": unknown["trace_id"], "status": "unknown", "fates": []}
+
+    # the counts add up: every trace sent is counted once for the suite
+    _, stats = await api(p, "GET", f"/v1/online/stats?suite={suite_id}")
+    counts = Counter({(c["fate"], c["reason"]): c["count"] for c in stats["counts"]})
+    sent = TRACES + 3  # 24 prod traces, the JSON one, the staging one, the probe
+    assert counts[("judged", "judged")] == counts[("sampled", "sampled")] == len(sampled)
+    skipped = counts[("skipped", "not_sampled")] + counts[("skipped", "filtered")] + counts[("skipped", "not_target")]
+    assert counts[("sampled", "sampled")] + skipped == sent
+
+    # one observation and one case.observed per trace, whatever was redelivered
+    events = [m.event() for m in await read_stream(p.nc, "CASES", ("case.observed.>",))]
+    observations = Counter(e.observation_id for e in events if isinstance(e, CaseObserved) and e.suite_id == suite_id)
+    assert observations == Counter(dict.fromkeys(sampled, 1))
+
+    # the scores: the regex judge passes exactly the polite answers
+    status, detail = await api(p, "GET", f"/v1/online/suites/{suite_id}")
+    assert status == 200, (detail, p.diagnostics(60))
+    by_observation = {r["observation_id"]: r for r in detail["recent"]}
+    if len(sampled) <= 20:
+        assert set(by_observation) == sampled
+    else:
+        assert len(by_observation) == 20
+        assert set(by_observation) <= sampled
+    for trace_id, run in by_observation.items():
+        [score] = [s for s in run["scores"] if s["metric"] == "judge:polite"]
+        expected = answers.get(trace_id, "Thank you (json)")
+        assert score["pass"] is ("thank" in expected.lower()), trace_id
+    hour = {m["metric"]: m for m in detail["metrics"] if m["window"] == "hour"}
+    polite_sampled = [t for t in sampled if "thank" in answers.get(t, "Thank you (json)").lower()]
+    assert hour["judge:polite"]["count"] == len(sampled)
+    assert hour["judge:polite"]["pass_rate"] == pytest.approx(len(polite_sampled) / len(sampled))
+
+
+async def post_json_trace(p: Pipeline) -> str:
+    """One trace posted as OTLP JSON (hex ids) by hand; its trace id."""
+    trace_id = uuid.uuid4().hex
+    body = {
+        "resourceSpans": [
+            {
+                "resource": {
+                    "attributes": [
+                        {"key": "service.name", "value": {"stringValue": "support-bot"}},
+                        {"key": "deployment.environment", "value": {"stringValue": "prod"}},
+                    ]
+                },
+                "scopeSpans": [
+                    {
+                        "spans": [
+                            {
+                                "traceId": trace_id,
+                                "spanId": uuid.uuid4().hex[:16],
+                                "name": "handle-request",
+                                "startTimeUnixNano": "1700000000000000000",
+                                "endTimeUnixNano": "1700000001000000000",
+                                "attributes": [
+                                    {"key": "input.value", "value": {"stringValue": "json question"}},
+                                    {"key": "output.value", "value": {"stringValue": "Thank you (json)"}},
+                                ],
+                            }
+                        ]
+                    }
+                ],
+            }
+        ]
+    }
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            f"{p.stack.otlp_url}/v1/traces", data=json.dumps(body), headers={"Content-Type": "application/json"}
+        ) as resp,
+    ):
+        assert resp.status == 200
+        assert await resp.json() == {}
+    return trace_id
+
+
+async def test_the_receiver_answers_bad_requests_as_otlp_says(pipeline: Pipeline) -> None:
+    url = f"{pipeline.stack.otlp_url}/v1/traces"
+    async with aiohttp.ClientSession() as session:
+        for data, content_type, status in (
+            (b"\x00\xffgarbage", "application/x-protobuf", 400),
+            (b"{nope", "application/json", 400),
+            (b"{}", "text/plain", 415),
+            (b"x" * (4 * 1024 * 1024 + 10), "application/json", 413),
+        ):
+            async with session.post(url, data=io.BytesIO(data), headers={"Content-Type": content_type}) as resp:
+                assert resp.status == status, (content_type, await resp.text())
+                doc = await resp.json()
+                assert set(doc) == {"code", "message"}
+        partial = {"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "zz", "spanId": "yy", "name": "bad"}]}]}]}
+        async with session.post(url, json=partial) as resp:
+            assert resp.status == 200
+            doc = await resp.json()
+            assert doc["partialSuccess"]["rejectedSpans"] == "1"
