@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 from urllib.parse import quote
 
 import aiohttp
@@ -23,6 +23,7 @@ import msgspec
 
 from evalbus_contracts import BatchSpec, Event, JudgeSpec, decode, decode_event, encode
 from evalbus_gateway.api.models import BatchAccepted, BatchPage, CancelAccepted, CasePage, ErrorBody, Me
+from evalbus_gateway.live.views import LiveTraceView, LogTail
 from evalbus_gateway.store.queries import BatchView, RunView, Stage, Trajectory
 
 T = TypeVar("T")
@@ -230,7 +231,50 @@ class GatewayClient:
     ) -> AsyncIterator[SseEvent]:
         """The batch's events as `(id, event, data)`, ending after the `end` event. A dropped
         connection is resumed from the last id seen, up to `reconnects` times in a row."""
-        path = f"{self.base_url}/v1/batches/{_quote(batch_id)}/events"
+        async for event in self._follow(
+            f"/v1/batches/{_quote(batch_id)}/events",
+            f"event stream of {batch_id}",
+            last_event_id=last_event_id,
+            reconnects=reconnects,
+            idle_timeout_s=idle_timeout_s,
+        ):
+            yield event
+
+    # ------------------------------------------------------------ live runs
+
+    async def logs(self, run_id: str) -> LogTail:
+        """The end of a run's live log (last 64 KiB)."""
+        return await self._call("GET", f"/v1/runs/{_quote(run_id)}/logs", LogTail)
+
+    async def live_trace(self, run_id: str) -> LiveTraceView:
+        """A run's own trace before it seals: infra marks and the harness's events."""
+        return await self._call("GET", f"/v1/runs/{_quote(run_id)}/trajectory/live", LiveTraceView)
+
+    async def follow_run(
+        self,
+        run_id: str,
+        what: Literal["logs", "trajectory/live"] = "logs",
+        *,
+        last_event_id: int | None = None,
+        reconnects: int = 10,
+        idle_timeout_s: float = 60.0,
+    ) -> AsyncIterator[SseEvent]:
+        """A run's live log (`logs`: `log` events of `LogChunk`) or live trace (`trajectory/live`:
+        `trace` events of trace events) as it is written, ending after `end` (`RunStreamEnd`);
+        resumed from the last id seen when the connection drops."""
+        async for event in self._follow(
+            f"/v1/runs/{_quote(run_id)}/{what}/stream",
+            f"{what} stream of {run_id}",
+            last_event_id=last_event_id,
+            reconnects=reconnects,
+            idle_timeout_s=idle_timeout_s,
+        ):
+            yield event
+
+    async def _follow(
+        self, path: str, what: str, *, last_event_id: int | None, reconnects: int, idle_timeout_s: float
+    ) -> AsyncIterator[SseEvent]:
+        url = self.base_url + path
         timeout = aiohttp.ClientTimeout(total=None, sock_read=idle_timeout_s)
         failures = 0
         while True:
@@ -238,7 +282,7 @@ class GatewayClient:
             if last_event_id is not None:
                 headers["Last-Event-ID"] = str(last_event_id)
             try:
-                async with self._http().get(path, headers=headers, timeout=timeout) as resp:
+                async with self._http().get(url, headers=headers, timeout=timeout) as resp:
                     if resp.status >= 400:
                         raise _error(resp.status, await resp.read())
                     parser = SseParser()
@@ -259,11 +303,11 @@ class GatewayClient:
             except (aiohttp.ClientError, TimeoutError) as e:
                 failures += 1
                 if failures > reconnects:
-                    raise ApiRequestError(0, "unreachable", f"event stream of {batch_id}: {e}") from e
+                    raise ApiRequestError(0, "unreachable", f"{what}: {e}") from e
             else:
                 failures += 1
                 if failures > reconnects:
-                    raise ApiRequestError(0, "stream_closed", f"event stream of {batch_id} kept closing before its end")
+                    raise ApiRequestError(0, "stream_closed", f"{what} kept closing before its end")
             await asyncio.sleep(min(0.2 * 2**failures, 5.0))
 
 

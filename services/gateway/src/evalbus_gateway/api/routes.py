@@ -19,8 +19,11 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from evalbus_contracts import BatchCancelled, BatchRequested, BatchSpec, encode
+from evalbus_gateway.api.access import visible_batch, visible_run
 from evalbus_gateway.api.auth import Principal, authenticate, require_admin
 from evalbus_gateway.api.errors import ApiError, error_middleware, not_found
+from evalbus_gateway.api.live import ROUTES as LIVE_ROUTES
+from evalbus_gateway.api.live import live_trace_link
 from evalbus_gateway.api.models import (
     BatchAccepted,
     BatchLinks,
@@ -35,7 +38,7 @@ from evalbus_gateway.api.models import (
 )
 from evalbus_gateway.api.online import ROUTES as ONLINE_ROUTES
 from evalbus_gateway.api.openapi import build_openapi
-from evalbus_gateway.api.reads import finalized_on_stream, find_batch, list_batches
+from evalbus_gateway.api.reads import finalized_on_stream, list_batches
 from evalbus_gateway.api.rejudge import ROUTE as REJUDGE_ROUTE
 from evalbus_gateway.api.sse import stream_batch_events
 from evalbus_gateway.api.table import Body, Call, Param, Route
@@ -55,7 +58,6 @@ from evalbus_gateway.api.validation import (
 from evalbus_gateway.state import GatewayState
 from evalbus_gateway.store import (
     get_batch,
-    get_run,
     get_trajectory,
     list_runs,
     open_batches_by_supersede_key,
@@ -93,30 +95,6 @@ def links(batch_id: str) -> BatchLinks:
     """Where to follow a batch."""
     base = f"/v1/batches/{batch_id}"
     return BatchLinks(self_=base, cases=f"{base}/cases", events=f"{base}/events", cancel=f"{base}/cancel")
-
-
-async def visible_batch(call: Call, batch_id: str) -> BatchView:
-    """The batch if the caller may see it; 404 otherwise (missing and not-yours look the same)."""
-    view = await find_batch(call.state.pool, call.state.js, batch_id)
-    if view is None or not call.user.may_access(view.submitted_by):
-        raise not_found("batch", "batch_id", batch_id)
-    return view
-
-
-async def visible_run(call: Call, run_id: str) -> RunView:
-    """The run if the caller may see its batch; 404 otherwise."""
-    run = await get_run(call.state.pool, run_id)
-    if run is None:
-        raise not_found("run", "run_id", run_id)
-    if call.user.is_admin:
-        return run
-    owner = None
-    if run.batch_id is not None:
-        batch = await find_batch(call.state.pool, call.state.js, run.batch_id)
-        owner = batch.submitted_by if batch is not None else None
-    if not call.user.may_access(owner):
-        raise not_found("run", "run_id", run_id)
-    return run
 
 
 def _idempotency_key(request: web.Request) -> str | None:
@@ -269,8 +247,11 @@ async def cancel_batch(call: Call) -> web.StreamResponse:
 
 
 async def get_run_route(call: Call) -> web.StreamResponse:
-    """GET /v1/runs/{run_id}."""
-    return json_response(await visible_run(call, path_id(call.request, "run_id")))
+    """GET /v1/runs/{run_id}; with `live_trace` while the run is queued or running and its harness
+    exports to a trace platform."""
+    view = await visible_run(call, path_id(call.request, "run_id"))
+    link = await live_trace_link(call.state, view)
+    return json_response(view if link is None else msgspec.structs.replace(view, live_trace=link))
 
 
 async def run_trajectory(call: Call) -> web.StreamResponse:
@@ -427,6 +408,7 @@ ROUTES: tuple[Route, ...] = (
         params=(_RUN_ID,),
         responses={200: Body("The trajectory", Trajectory)},
     ),
+    *LIVE_ROUTES,
     *ONLINE_ROUTES,
     Route(
         ("GET",),

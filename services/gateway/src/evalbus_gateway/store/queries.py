@@ -76,6 +76,17 @@ class BatchView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """The batch that superseded it."""
 
 
+class LiveTraceLink(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a running run's trace can be watched on its harness's trace platform."""
+
+    kind: str
+    """Platform kind (`otel`, `mlflow`, `langfuse`, `langsmith`, `phoenix`)."""
+    endpoint: str
+    """Platform base URL, as the harness spec names it."""
+    run_id: str
+    """The key the platform's trace is found by (the run id the harness was given)."""
+
+
 class RunView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """A run as the read model holds it."""
 
@@ -129,6 +140,9 @@ class RunView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Seconds the compute slot was held."""
     sealed: bool = False
     """The trajectory is sealed."""
+    live_trace: LiveTraceLink | None = None
+    """While the run is queued or running and its harness exports to a trace platform
+    (`GET /v1/runs/{run_id}` only): where to watch its trace live. Gone once the run settles."""
 
 
 class RunPage(msgspec.Struct, frozen=True, kw_only=True):

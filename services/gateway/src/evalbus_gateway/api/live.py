@@ -1,0 +1,365 @@
+"""The live reads of a run: `GET /v1/runs/{run_id}/logs`, `/logs/stream`, `/trajectory/live` and
+`/trajectory/live/stream`, and the `live_trace` deep link of `GET /v1/runs/{run_id}`.
+
+Every answer is read from JetStream when it is asked (the LIVE stream for output and marks, the
+CASES stream for whether the run settled) and the event store (who may see the run), so every
+gateway replica answers the same. The event streams use LIVE stream sequences as SSE ids, so a
+client resumes with `Last-Event-ID` on any replica, missing and repeating nothing:
+
+- a log stream starts with the current tail (the last 64 KiB; the first chunk cut to fit) and a
+  trace stream with everything the ring holds, unless resumed; then each new message;
+- `: heartbeat` comments on a quiet stream;
+- once the run's `case.executed` is on the CASES stream, whatever the LIVE stream holds up to then
+  is sent, then `event: end` with `{run_id, status}`, and the stream closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import nats.errors
+from aiohttp import web
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from evalbus_contracts import encode
+from evalbus_gateway.api.access import LiveRun, visible_live_run
+from evalbus_gateway.api.reads import requested_on_stream
+from evalbus_gateway.api.table import Body, Call, Param, Route
+from evalbus_gateway.api.validation import header_seq, path_id
+from evalbus_gateway.errors import NotReadyError
+from evalbus_gateway.live.reads import (
+    ExecutedStatus,
+    TailStart,
+    executed_on_stream,
+    last_of,
+    last_on,
+    live_subjects,
+    locate_tail,
+    read_live,
+    stored_message,
+    subscribe_live,
+    watch_executed,
+)
+from evalbus_gateway.live.views import (
+    LOG_TAIL_BYTES,
+    LiveTraceView,
+    LogTail,
+    RunStatus,
+    Stored,
+    end_frame,
+    live_trace,
+    log_frames,
+    log_tail,
+    trace_frames,
+)
+from evalbus_gateway.state import GatewayState
+from evalbus_gateway.store import get_batch_spec
+from evalbus_gateway.store.queries import LiveTraceLink, RunView
+
+log = logging.getLogger("evalbus.gateway.live")
+
+DRAIN_S = 5.0
+"""After the run settled, how long a stream waits for the LIVE messages published before it."""
+
+Render = Callable[[Stored, int], list[bytes]]
+"""The SSE frames of one LIVE message, its first `skip` bytes of text left out."""
+
+
+# ---------------------------------------------------------------- status
+
+
+async def settled_status(js: JetStreamContext, run: LiveRun) -> ExecutedStatus | None:
+    """The run's execution outcome: the read model's, else the CASES stream's (no recording lag)."""
+    if run.view is not None and run.view.executed_status is not None:
+        return run.view.executed_status
+    if run.batch_id is None or run.case_id is None:
+        return None
+    return await executed_on_stream(js, run.batch_id, run.case_id, run.run_id)
+
+
+async def run_status(js: JetStreamContext, run: LiveRun) -> RunStatus:
+    """`queued` until a dispatcher marked the run, `running` until it settled, then its outcome."""
+    settled, mark = await asyncio.gather(settled_status(js, run), last_on(js, live_subjects(run.run_id, "infra")[0]))
+    if settled is not None:
+        return settled
+    return "running" if mark is not None else "queued"
+
+
+async def live_trace_link(state: GatewayState, view: RunView) -> LiveTraceLink | None:
+    """Where the run's trace can be watched on its platform, while it is queued or running."""
+    if view.executed_status is not None or view.batch_id is None:
+        return None
+    spec = await get_batch_spec(state.pool, view.batch_id)
+    if spec is None:
+        requested = await requested_on_stream(state.js, view.batch_id)
+        spec = requested.spec if requested is not None else None
+    if spec is None or spec.harness.trace.kind == "none":
+        return None
+    if await executed_on_stream(state.js, view.batch_id, view.case_id, view.run_id) is not None:
+        return None
+    trace = spec.harness.trace
+    return LiveTraceLink(kind=trace.kind, endpoint=trace.endpoint or "", run_id=view.run_id)
+
+
+# ---------------------------------------------------------------- snapshots
+
+
+def _json(value: object) -> web.Response:
+    return web.Response(body=encode(value), content_type="application/json")
+
+
+async def run_logs(call: Call) -> web.StreamResponse:
+    """GET /v1/runs/{run_id}/logs."""
+    run = await visible_live_run(call, path_id(call.request, "run_id"))
+    js = call.state.js
+    subject = live_subjects(run.run_id, "log")
+    last, status = await asyncio.gather(last_on(js, subject[0]), run_status(js, run))
+    if last is None:
+        return _json(LogTail(run_id=run.run_id, status=status, found=False, text=""))
+    start = await locate_tail(js, last)
+    chunks = await read_live(js, subject, start_seq=start.seq, until_seq=last.seq)
+    skip = start.skip if chunks and chunks[0].seq == start.seq else 0
+    return _json(log_tail(run.run_id, status, chunks, skip=skip, limit=LOG_TAIL_BYTES))
+
+
+async def run_live_trace(call: Call) -> web.StreamResponse:
+    """GET /v1/runs/{run_id}/trajectory/live."""
+    run = await visible_live_run(call, path_id(call.request, "run_id"))
+    js = call.state.js
+    subject_list = live_subjects(run.run_id, "infra", "trace")
+    last, status = await asyncio.gather(last_of(js, subject_list), run_status(js, run))
+    messages = [] if last is None else await read_live(js, subject_list, start_seq=None, until_seq=last.seq)
+    return _json(live_trace(run.run_id, status, messages))
+
+
+# ---------------------------------------------------------------- event streams
+
+
+@dataclass(frozen=True, slots=True)
+class _Settled:
+    status: ExecutedStatus
+
+
+_Item = Stored | _Settled
+
+
+async def stream_run(
+    request: web.Request,
+    state: GatewayState,
+    run: LiveRun,
+    subject_list: list[str],
+    *,
+    start: TailStart,
+    render: Render,
+) -> web.StreamResponse:
+    """Serve `subject_list` of the run as SSE from `start` until the run settles (or the client leaves)."""
+    streams = state.streams
+    if streams.closing():
+        raise NotReadyError("the gateway is stopping; reconnect to another replica")
+    js = state.js
+    # Both subscriptions deliver into one bounded queue (a slow client holds the consumer back
+    # through flow control); unsubscribing stops them, with no task of ours left to cancel.
+    queue: asyncio.Queue[_Item] = asyncio.Queue(maxsize=256)
+
+    async def on_live(msg: Msg) -> None:
+        stored = stored_message(msg)
+        if stored is not None:
+            await queue.put(stored)
+
+    async def on_executed(status: ExecutedStatus) -> None:
+        await queue.put(_Settled(status))
+
+    subs = [await subscribe_live(js, subject_list, start_seq=start.seq, cb=on_live)]
+    response = web.StreamResponse(
+        status=200,
+        headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+        },
+    )
+    streams.enter()
+    try:
+        if run.view is not None and run.view.executed_status is not None:
+            queue.put_nowait(_Settled(run.view.executed_status))
+        elif run.batch_id is not None and run.case_id is not None:
+            subs.append(await watch_executed(js, run.batch_id, run.case_id, run.run_id, on_executed))
+        await response.prepare(request)
+        await response.write(b": evalbus run " + run.run_id.encode("utf-8").replace(b"\n", b" ") + b"\n\n")
+        await _pump(response, js, run, subject_list, queue, start, render, state.settings.sse_heartbeat_s)
+    except ConnectionResetError:
+        pass  # the client left
+    except nats.errors.Error as e:
+        log.info("live stream of %s ended: %s", run.run_id, e)  # the client resumes with Last-Event-ID
+    except asyncio.CancelledError:
+        if not streams.closing():
+            raise
+        current = asyncio.current_task()
+        if current is not None:
+            current.uncancel()  # closed by shutdown: end the response; the client resumes elsewhere
+    finally:
+        streams.leave()
+        for sub in subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+    return response
+
+
+async def _pump(
+    response: web.StreamResponse,
+    js: JetStreamContext,
+    run: LiveRun,
+    subject_list: list[str],
+    queue: asyncio.Queue[_Item],
+    start: TailStart,
+    render: Render,
+    heartbeat_s: float,
+) -> None:
+    settled: ExecutedStatus | None = None
+    drain_to: int | None = None
+    deadline: float | None = None
+    last_seen = start.seq - 1 if start.seq is not None else 0  # what the client has (or skips)
+    while True:
+        if settled is not None and (drain_to is None or last_seen >= drain_to):
+            await response.write(end_frame(run.run_id, settled))
+            return
+        timeout = heartbeat_s if deadline is None else max(0.0, min(heartbeat_s, deadline - time.monotonic()))
+        try:
+            item = await asyncio.wait_for(queue.get(), timeout)
+        except TimeoutError:
+            if settled is not None and deadline is not None and time.monotonic() >= deadline:
+                log.info("live stream of %s ends without LIVE messages up to %s", run.run_id, drain_to)
+                await response.write(end_frame(run.run_id, settled))
+                return
+            await response.write(b": heartbeat\n\n")
+            continue
+        if isinstance(item, _Settled):
+            settled = item.status
+            last = await last_of(js, subject_list)
+            drain_to = last.seq if last is not None else None
+            deadline = time.monotonic() + DRAIN_S
+            continue
+        if item.seq <= last_seen:
+            continue  # a consumer reset redelivered it: the client has it
+        skip = start.skip if item.seq == start.seq else 0
+        for data in render(item, skip):
+            await response.write(data)
+        last_seen = item.seq
+
+
+def _resume_point(request: web.Request) -> int | None:
+    return header_seq(request, "Last-Event-ID")
+
+
+async def run_logs_stream(call: Call) -> web.StreamResponse:
+    """GET /v1/runs/{run_id}/logs/stream (SSE)."""
+    request = call.request
+    run_id = path_id(request, "run_id")
+    last_event_id = _resume_point(request)
+    run = await visible_live_run(call, run_id)
+    js = call.state.js
+    subject = live_subjects(run.run_id, "log")
+    if last_event_id is not None:
+        start = TailStart(seq=last_event_id + 1)
+    else:
+        last = await last_on(js, subject[0])
+        start = await locate_tail(js, last) if last is not None else TailStart(seq=None)
+
+    def render(stored: Stored, skip: int) -> list[bytes]:
+        return log_frames(stored, skip=skip)
+
+    return await stream_run(request, call.state, run, subject, start=start, render=render)
+
+
+async def run_live_trace_stream(call: Call) -> web.StreamResponse:
+    """GET /v1/runs/{run_id}/trajectory/live/stream (SSE)."""
+    request = call.request
+    run_id = path_id(request, "run_id")
+    last_event_id = _resume_point(request)
+    run = await visible_live_run(call, run_id)
+    start = TailStart(seq=None if last_event_id is None else last_event_id + 1)
+
+    def render(stored: Stored, _skip: int) -> list[bytes]:
+        return trace_frames(stored)
+
+    return await stream_run(
+        request, call.state, run, live_subjects(run.run_id, "infra", "trace"), start=start, render=render
+    )
+
+
+# ---------------------------------------------------------------- the table
+
+_RUN_ID = Param(
+    "run_id", "path", "Run id (`evb-<batch>-<case>[-t<trial>]`)", {"type": "string", "minLength": 1, "maxLength": 256}
+)
+_LAST_EVENT_ID = Param(
+    "Last-Event-ID", "header", "Resume after this LIVE stream sequence", {"type": "integer", "minimum": 0}
+)
+_SSE = Body("An event stream", content_type="text/event-stream", schema={"type": "string"})
+
+ROUTES: tuple[Route, ...] = (
+    Route(
+        ("GET",),
+        "/v1/runs/{run_id}/logs",
+        "getRunLogs",
+        "The end of a run's live log (stdout and stderr, last 64 KiB)",
+        "member",
+        run_logs,
+        tag="runs",
+        description="Read from the LIVE stream (15 minutes, 2,000 chunks per run), so every replica answers the same. "
+        "`found` is false when the stream holds no output of the run; `last_event_id` is where `/logs/stream` "
+        "follows on from.",
+        params=(_RUN_ID,),
+        responses={200: Body("The log tail", LogTail)},
+    ),
+    Route(
+        ("GET",),
+        "/v1/runs/{run_id}/logs/stream",
+        "streamRunLogs",
+        "A run's live log as server-sent events",
+        "member",
+        run_logs_stream,
+        tag="runs",
+        description="First the current tail (64 KiB), then every chunk as it is written: `event: log`, `id:` the LIVE "
+        "stream sequence, `data:` `{stream, text, attempt}`. `Last-Event-ID` resumes exactly after that sequence, on "
+        "any replica. `: heartbeat` comments on a quiet stream; once the run settled, `event: end` with "
+        "`{run_id, status}` and the stream closes.",
+        params=(_RUN_ID, _LAST_EVENT_ID),
+        responses={200: _SSE},
+    ),
+    Route(
+        ("GET",),
+        "/v1/runs/{run_id}/trajectory/live",
+        "getRunLiveTrajectory",
+        "A run's own trace events before it seals: infra marks and the events its harness printed",
+        "member",
+        run_live_trace,
+        tag="runs",
+        description="Dispatch marks (accepted, waiting with the reason, started, released) and the harness's events as "
+        "it printed them (each at most 4 KiB; a larger one is left out and counted in an `error` event), from the "
+        "LIVE stream: the last 2,000 events of the last 15 minutes. The sealed `/trajectory` stays the record.",
+        params=(_RUN_ID,),
+        responses={200: Body("The live trace", LiveTraceView)},
+    ),
+    Route(
+        ("GET",),
+        "/v1/runs/{run_id}/trajectory/live/stream",
+        "streamRunLiveTrajectory",
+        "A run's live trace as server-sent events",
+        "member",
+        run_live_trace_stream,
+        tag="runs",
+        description="Everything the ring holds, then each event as it is published: `event: trace`, `id:` the LIVE "
+        "stream sequence, `data:` the trace event (`kind` `infra` for a mark). `Last-Event-ID`, heartbeats and "
+        "`event: end` as for `/logs/stream`.",
+        params=(_RUN_ID, _LAST_EVENT_ID),
+        responses={200: _SSE},
+    ),
+)
+"""The live routes, added to the gateway's table in `api.routes`."""
