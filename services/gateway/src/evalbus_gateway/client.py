@@ -14,7 +14,7 @@ drops before `end`, so no event is lost or repeated.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Literal, NamedTuple, TypeVar
 from urllib.parse import quote
 
@@ -258,7 +258,7 @@ class GatewayClient:
         last_event_id: int | None = None,
         reconnects: int = 10,
         idle_timeout_s: float = 60.0,
-    ) -> AsyncIterator[SseEvent]:
+    ) -> AsyncGenerator[SseEvent, None]:
         """A run's live log (`logs`: `log` events of `LogChunk`) or live trace (`trajectory/live`:
         `trace` events of trace events) as it is written, ending after `end` (`RunStreamEnd`);
         resumed from the last id seen when the connection drops."""

@@ -1,0 +1,49 @@
+"""A deterministic agent that writes its output in phases, for the live-read tests (stdlib only).
+
+The input is a JSON object: `phases`, a list of `{"stdout": [...], "stderr": [...], "events": n,
+"ready": path, "go": path}`, run in order. Each phase writes its stdout lines (flushing each),
+its stderr lines, `n` tool-call trace events (`EVALBUS_EVENT` lines), then creates `ready` and
+waits until `go` exists (30 s, else exit 3) — so a test reads the live views of a run that is
+still running, between phases. After the last phase: `answer` as an `EVALBUS_RESULT` line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+POLL_S = 0.02
+
+
+def main() -> int:
+    task = json.loads(sys.stdin.read())
+    calls = 0
+    for phase in task.get("phases", []):
+        for line in phase.get("stdout", []):
+            print(line, flush=True)
+        for line in phase.get("stderr", []):
+            print(line, file=sys.stderr, flush=True)
+        for _ in range(int(phase.get("events", 0))):
+            event = {"kind": "tool_call", "id": f"call-{calls}", "name": "step", "args": {"n": calls}}
+            print("EVALBUS_EVENT " + json.dumps(event), flush=True)
+            calls += 1
+        if "ready" in phase:
+            partial = Path(f"{phase['ready']}.{os.getpid()}.tmp")
+            partial.write_text(str(os.getpid()))
+            partial.replace(phase["ready"])  # atomically: a test waiting for it never reads it empty
+        if "go" in phase:
+            deadline = time.monotonic() + 30
+            while not Path(phase["go"]).exists():
+                if time.monotonic() > deadline:
+                    print(f"gave up waiting for {phase['go']}", file=sys.stderr)
+                    return 3
+                time.sleep(POLL_S)
+    print("EVALBUS_RESULT " + json.dumps({"answer": task.get("answer", "")}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
