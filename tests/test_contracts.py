@@ -335,7 +335,7 @@ EXPECTED_CONSUMERS: dict[str, set[str]] = {
     "online.suite.applied": {_RECORDER},
     "online.suite.deleted": {_RECORDER},
     "online.fate": {_RECORDER},
-    "dlq": set(),
+    "dlq": {"collector-dead-letters"},
 }
 """Which durable consumers must receive each event type: no more, no fewer."""
 

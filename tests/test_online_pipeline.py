@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import re
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -25,7 +26,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from evalbus.testing.pipeline import Pipeline, eventually, open_pipeline, read_stream
-from evalbus_contracts import CaseObserved, sampled_by_trace_id
+from evalbus_contracts import CaseObserved, CasePlan, CaseResult, encode, encode_token, sampled_by_trace_id
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -79,9 +80,8 @@ async def judged(p: Pipeline, suite_id: str) -> int:
     return int(count)
 
 
-async def test_sampled_production_traces_are_judged_and_every_fate_is_answered(pipeline: Pipeline) -> None:
-    p = pipeline
-    suite_id = f"{SUITE}-{uuid.uuid4().hex[:6]}"
+async def apply_suite(p: Pipeline, suite_id: str, ratio: float, judges: list[dict[str, Any]] | None = None) -> None:
+    """Apply an online suite through the API and wait until the collector samples for it."""
     status, applied = await api(
         p,
         "POST",
@@ -89,19 +89,19 @@ async def test_sampled_production_traces_are_judged_and_every_fate_is_answered(p
         {
             "id": suite_id,
             "target": {"service": "support-bot", "attributes": {"deployment.environment": "prod"}},
-            "sample_ratio": RATIO,
-            "judges": [{"kind": "regex", "id": "polite", "pattern": "(?i)thank"}],
+            "sample_ratio": ratio,
+            "judges": judges or [{"kind": "regex", "id": "polite", "pattern": "(?i)thank"}],
         },
     )
     assert status == 201, applied
     status, listed = await api(p, "GET", "/v1/online/suites")
     assert status == 200
     assert suite_id in [item["suite"]["id"] for item in listed["items"]]
-
     # The collector follows suites from the stream: wait until it took this one (a trace of a
     # service nobody samples is `not_target` for it only once the suite is known there).
     probe = application(p.stack.otlp_url, "probe-service", **{"deployment.environment": "prod"})
     probe_trace = await asyncio.to_thread(serve_request, probe, "ping", "pong")
+    probe.shutdown()
 
     async def probe_seen_by_suite() -> bool:
         _, answer = await api(p, "GET", f"/v1/online/observations/{probe_trace}")
@@ -110,7 +110,12 @@ async def test_sampled_production_traces_are_judged_and_every_fate_is_answered(p
     await eventually(
         probe_seen_by_suite, timeout_s=60, what="the collector to know the suite", diagnostics=p.diagnostics
     )
-    probe.shutdown()
+
+
+async def test_sampled_production_traces_are_judged_and_every_fate_is_answered(pipeline: Pipeline) -> None:
+    p = pipeline
+    suite_id = f"{SUITE}-{uuid.uuid4().hex[:6]}"
+    await apply_suite(p, suite_id, RATIO)
 
     prod = application(p.stack.otlp_url, "support-bot", **{"deployment.environment": "prod"})
     staging = application(p.stack.otlp_url, "support-bot", **{"deployment.environment": "staging"})
@@ -239,3 +244,88 @@ async def test_the_receiver_answers_bad_requests_as_otlp_says(pipeline: Pipeline
             assert resp.status == 200
             doc = await resp.json()
             assert doc["partialSuccess"]["rejectedSpans"] == "1"
+
+
+async def stream_counts(p: Pipeline, subjects: tuple[str, ...]) -> Counter[tuple[str, str]]:
+    """(type, observation id) → messages on CASES under `subjects`."""
+    out: Counter[tuple[str, str]] = Counter()
+    for m in await read_stream(p.nc, "CASES", subjects):
+        event = m.event()
+        key = getattr(event, "observation_id", None) or event.case_id or ""
+        out[(event.type, key)] += 1
+    return out
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "before_ack:collector-spans:obs.spans:-",
+        "before_ack:collector-observations:obs.received:-",
+    ],
+)
+async def test_collector_killed_mid_stream_loses_and_doubles_nothing(pipeline: Pipeline, fault: str) -> None:
+    """The collector dies by SIGKILL right after storing its output for the first trace it
+    finishes — the assembled observation (spans stage), or the fates and `case.observed`
+    (sampling stage) — before it acks its input. Its unacknowledged messages come back to the
+    restarted collector after `ack_wait` (5 s here) and are done again: every trace is judged
+    once, with one `sampled` fate and one `case.observed`, and none is called late."""
+    p = pipeline
+    suite_id = f"crash-{uuid.uuid4().hex[:6]}"
+    await apply_suite(p, suite_id, 1.0)
+    # armed after the suite is known: a restarted collector reads every suite before it consumes
+    await p.restart("collector", FAULT_KILL=fault, COLLECTOR_ACK_WAIT_S="5")
+    prod = application(p.stack.otlp_url, "support-bot", **{"deployment.environment": "prod"})
+    traces = [await asyncio.to_thread(serve_request, prod, f"q{i}", f"Thank you {i}") for i in range(8)]
+    prod.shutdown()
+    assert await p.wait_exit("collector", timeout_s=60) == -9
+    await p.start("collector", COLLECTOR_ACK_WAIT_S="5")
+
+    async def all_judged() -> bool:
+        return await judged(p, suite_id) == len(traces)
+
+    await eventually(all_judged, timeout_s=90, what="every trace judged after the restart", diagnostics=p.diagnostics)
+    await p.quiescent(timeout_s=60)
+    info = await p.nc.jetstream().consumer_info("OBSERVATIONS", "collector-spans")
+    assert info.num_ack_pending == info.num_pending == 0
+    counts = await stream_counts(p, (f"case.observed.{encode_token(suite_id)}.>", f"case.judged.online-{suite_id}.>"))
+    observed = Counter({k: n for (kind, k), n in counts.items() if kind == "case.observed"})
+    assert observed == Counter(dict.fromkeys(traces, 1))
+    judged_runs = Counter({k: n for (kind, k), n in counts.items() if kind == "case.judged"})
+    assert judged_runs == Counter(dict.fromkeys(traces, 1))
+    for trace_id in traces:
+        _, answer = await api(p, "GET", f"/v1/online/observations/{trace_id}")
+        mine = sorted((f["fate"], f["reason"]) for f in answer["fates"] if f["suite_id"] == suite_id)
+        assert mine == [("judged", "judged"), ("sampled", "sampled")], (trace_id, answer)
+        assert not [f for f in answer["fates"] if f["fate"] == "late"], answer
+
+
+async def test_an_observation_the_judge_gives_up_on_is_dead_lettered_with_its_reason(pipeline: Pipeline) -> None:
+    """A `case.observed` the judge cannot take (here: published on another observation's
+    subject, which every stage refuses as poison) lands in the DLQ; its fate becomes
+    `dead_lettered` with the reason of the service that gave up."""
+    p = pipeline
+    suite_id = f"dlq-{uuid.uuid4().hex[:6]}"
+    observation_id = uuid.uuid4().hex
+    event = CaseObserved(
+        suite_id=suite_id,
+        observation_id=observation_id,
+        run_id=f"obs-{suite_id}-{observation_id}",
+        result=CaseResult(case_id=observation_id, run_id=f"obs-{suite_id}-{observation_id}", harness="online@1"),
+        plan=CasePlan(),
+    )
+    wrong_subject = f"case.observed.{suite_id}.somebody-else"
+    ack = await p.nc.jetstream().publish(wrong_subject, encode(event), headers={"Nats-Msg-Id": event.msg_id()})
+    assert ack.seq > 0
+
+    async def dead_lettered() -> list[dict[str, Any]]:
+        _, answer = await api(p, "GET", f"/v1/online/observations/{observation_id}")
+        return [f for f in answer["fates"] if f["fate"] == "dead_lettered"]
+
+    async def arrived() -> bool:
+        return bool(await dead_lettered())
+
+    await eventually(arrived, timeout_s=60, what="the dead-lettered fate", diagnostics=p.diagnostics)
+    [fate] = await dead_lettered()
+    assert (fate["suite_id"], fate["reason"]) == (suite_id, "poison")
+    # the judge and the recorder both refuse it; the first dead letter decides the fate
+    assert re.match(r"(judge|gateway): poison: case\.observed belongs on ", fate["detail"]), fate

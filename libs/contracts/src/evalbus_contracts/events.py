@@ -397,13 +397,15 @@ FateReason = Literal[
     "too_large",
     "late_spans",
     "max_deliver",
+    "poison",
     "judged",
 ]
 """Why: `sampled` / `judged` for those fates; skipped: `no_suite` (no online suite is defined),
 `not_target` (the suite's service / agent / workflow differs), `filtered` (an attribute differs),
 `not_sampled` (outside the suite's ratio); dropped: `invalid_trace_id`, `too_large`; late:
 `late_spans` (spans arrived after the trace was assembled; they are not judged);
-dead_lettered: `max_deliver` (the judge gave up on it)."""
+dead_lettered: `max_deliver` (a service gave up on it after its deliveries) or `poison` (a service
+could not read it)."""
 
 
 class ObservationFate(_Event, frozen=True, kw_only=True, tag="online.fate"):

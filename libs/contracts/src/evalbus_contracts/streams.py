@@ -83,6 +83,10 @@ COLLECTOR_SPANS = ConsumerDef(
     max_deliver=10,
 )
 """Span batches held (unacknowledged, kept alive by `in_progress`) until their trace is assembled."""
+COLLECTOR_DEAD_LETTERS = ConsumerDef(
+    durable="collector-dead-letters", stream="DLQ", filter_subjects=("dlq.>",), max_ack_pending=256
+)
+"""Dead letters, read for the observations among them (their fate becomes `dead_lettered`)."""
 JUDGE_CASES = ConsumerDef(
     durable="judge-cases",
     stream="CASES",
@@ -106,6 +110,7 @@ CONSUMERS: tuple[ConsumerDef, ...] = (
     COLLECTOR_CASES,
     COLLECTOR_OBSERVATIONS,
     COLLECTOR_SPANS,
+    COLLECTOR_DEAD_LETTERS,
     JUDGE_CASES,
     EXPORTER_CASES,
     GATEWAY_RECORDER,

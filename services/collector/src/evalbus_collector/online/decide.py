@@ -20,10 +20,13 @@ from evalbus_contracts import (
     CaseObserved,
     CasePlan,
     CaseResult,
+    DeadLetter,
+    DecodeError,
     ObservationFate,
     ObservationReceived,
     OnlineSuiteSpec,
     OnlineTarget,
+    decode_event,
 )
 from evalbus_contracts.events import Fate, FateReason
 from evalbus_contracts.sampling import sampled_by_trace_id, valid_trace_id
@@ -151,3 +154,32 @@ def decide(obs: ObservationReceived, suites: Iterable[OnlineSuiteSpec]) -> Decis
             )
         )
     return Decision(fates=tuple(fates), observed=tuple(observed))
+
+
+def dead_letter_fate(letter: DeadLetter) -> ObservationFate | None:
+    """The `dead_lettered` fate of an observation a service gave up on (`case.observed` or
+    `obs.received` in the letter's payload), or None for any other dead letter."""
+    try:
+        event = decode_event(letter.payload.encode("utf-8"))
+    except (DecodeError, ValueError):
+        return None
+    reason = letter.reason.split(":", 1)[0]
+    detail = f"{letter.service}: {letter.reason}"
+    if isinstance(event, CaseObserved):
+        return ObservationFate(
+            observation_id=event.observation_id,
+            suite_id=event.suite_id,
+            fate="dead_lettered",
+            reason="max_deliver" if reason.startswith("max_deliver") else "poison",
+            detail=detail,
+        )
+    if isinstance(event, ObservationReceived):
+        return ObservationFate(
+            observation_id=event.observation_id,
+            trace_id=event.trace_id,
+            target=event.target,
+            fate="dead_lettered",
+            reason="max_deliver" if reason.startswith("max_deliver") else "poison",
+            detail=detail,
+        )
+    return None

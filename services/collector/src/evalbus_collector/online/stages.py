@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import msgspec
 
 from evalbus_collector.online.assembly import PendingTrace, TraceAssembler
-from evalbus_collector.online.decide import decide
+from evalbus_collector.online.decide import dead_letter_fate, decide
 from evalbus_collector.online.observation import observation_of
 from evalbus_collector.online.receiver import OtlpReceiver, ReceiverMetrics
 from evalbus_collector.online.suites import SuiteRegistry
-from evalbus_contracts import ObservationFate, ObservationReceived, ObservationSpans, encode
+from evalbus_contracts import DeadLetter, ObservationFate, ObservationReceived, ObservationSpans, encode
 from evalbus_contracts.events import EventBase
-from evalbus_contracts.streams import COLLECTOR_OBSERVATIONS, COLLECTOR_SPANS
+from evalbus_contracts.streams import COLLECTOR_DEAD_LETTERS, COLLECTOR_OBSERVATIONS, COLLECTOR_SPANS
 from evalbus_runtime import Delivery, Service, Stage
 
 log = logging.getLogger("evalbus.collector.online")
@@ -85,6 +85,10 @@ class OnlineIngest:
                 accepts=(ObservationReceived,),
                 concurrency=self._settings.observations_concurrency,
             )
+        )
+
+        service.add_stage(
+            Stage(consumer=COLLECTOR_DEAD_LETTERS, handler=self.on_dead_letter, accepts=(DeadLetter,), concurrency=16)
         )
 
     async def _start(self, service: Service) -> None:
@@ -172,6 +176,12 @@ class OnlineIngest:
         """Decide an observation's fate for every suite; `case.observed` for each that samples it."""
         decision = decide(obs, self.suites.suites)
         return [*decision.fates, *decision.observed]
+
+    async def on_dead_letter(self, letter: DeadLetter, _: Delivery) -> Sequence[EventBase]:
+        """An observation some service gave up on gets the fate `dead_lettered`; other letters are
+        only acknowledged (they stay in the DLQ for `evalbus dlq`)."""
+        fate = dead_letter_fate(letter)
+        return [] if fate is None else [fate]
 
 
 def _retrieve(future: asyncio.Future[None]) -> None:
