@@ -59,8 +59,7 @@ from evalbus_gateway.live.views import (
     trace_frames,
 )
 from evalbus_gateway.state import GatewayState
-from evalbus_gateway.store import get_batch_spec
-from evalbus_gateway.store.queries import LiveTraceLink, RunView
+from evalbus_gateway.store.queries import LiveTraceLink, RunView, get_harness_trace
 
 log = logging.getLogger("evalbus.gateway.live")
 
@@ -95,15 +94,14 @@ async def live_trace_link(state: GatewayState, view: RunView) -> LiveTraceLink |
     """Where the run's trace can be watched on its platform, while it is queued or running."""
     if view.executed_status is not None or view.batch_id is None:
         return None
-    spec = await get_batch_spec(state.pool, view.batch_id)
-    if spec is None:
+    trace = await get_harness_trace(state.pool, view.batch_id)
+    if trace is None:  # the batch is not recorded yet: its request on the stream says
         requested = await requested_on_stream(state.js, view.batch_id)
-        spec = requested.spec if requested is not None else None
-    if spec is None or spec.harness.trace.kind == "none":
+        trace = requested.spec.harness.trace if requested is not None else None
+    if trace is None or trace.kind == "none":
         return None
     if await executed_on_stream(state.js, view.batch_id, view.case_id, view.run_id) is not None:
         return None
-    trace = spec.harness.trace
     return LiveTraceLink(kind=trace.kind, endpoint=trace.endpoint or "", run_id=view.run_id)
 
 

@@ -21,6 +21,7 @@ from evalbus_contracts import (
     Score,
     SinkOutcome,
     StageCounts,
+    TraceSpec,
     decode,
     decode_event,
 )
@@ -275,6 +276,18 @@ async def get_batch_spec(db: Database, batch_id: str) -> BatchSpec | None:
     async with acquire(db) as conn:
         spec = await conn.fetchval("SELECT spec::text FROM batches WHERE batch_id = $1", batch_id)
     return None if spec is None else decode(str(spec), BatchSpec)
+
+
+async def get_harness_trace(db: Database, batch_id: str) -> TraceSpec | None:
+    """Where the harness of a batch sends its trace (without reading the whole spec); None when
+    the batch is not recorded."""
+    async with acquire(db) as conn:
+        trace = await conn.fetchval(
+            "SELECT coalesce(spec->'harness'->'trace', '{}'::jsonb)::text FROM batches "
+            "WHERE batch_id = $1 AND spec IS NOT NULL",
+            batch_id,
+        )
+    return None if trace is None else decode(str(trace), TraceSpec)
 
 
 async def list_runs(
