@@ -214,6 +214,13 @@ def test_up_status_down_with_the_real_services(stack: Stack) -> None:
         assert doc["components"][name]["ready"] is True
         with urllib.request.urlopen(endpoints["services"][name]["metrics"], timeout=5) as resp:
             assert resp.status == 200
+    # the collector's OTLP receiver listens where endpoints.json says (an empty export is valid)
+    assert endpoints["otlp"].startswith("http://127.0.0.1:")
+    export = urllib.request.Request(
+        f"{endpoints['otlp']}/v1/traces", data=b"{}", headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(export, timeout=5) as resp:  # noqa: S310 - loopback
+        assert resp.status == 200
 
     again = stack.up()
     assert again.returncode == 0, explain(again)
@@ -221,6 +228,7 @@ def test_up_status_down_with_the_real_services(stack: Stack) -> None:
     assert recorded_pids(stack.endpoints()) == recorded_pids(endpoints)
 
     pids, ports = recorded_pids(endpoints), recorded_ports(endpoints)
+    ports["otlp"] = port_of(endpoints["otlp"])
     down = stack.run("down")
     assert down.returncode == 0, explain(down)
     assert_nothing_left(pids, ports)
