@@ -21,8 +21,16 @@ from urllib.parse import quote
 import aiohttp
 import msgspec
 
-from evalbus_contracts import BatchSpec, Event, JudgeSpec, decode, decode_event, encode
+from evalbus_contracts import BatchSpec, Event, JudgeSpec, OnlineSuiteSpec, decode, decode_event, encode
 from evalbus_gateway.api.models import BatchAccepted, BatchPage, CancelAccepted, CasePage, ErrorBody, Me
+from evalbus_gateway.api.online import (
+    ObservationAnswer,
+    OnlineStats,
+    OnlineSuiteDetail,
+    OnlineSuiteList,
+    OnlineSuiteView,
+    SuiteDeleted,
+)
 from evalbus_gateway.live.views import LiveTraceView, LogTail
 from evalbus_gateway.store.queries import BatchView, RunView, Stage, Trajectory
 
@@ -249,6 +257,33 @@ class GatewayClient:
     async def live_trace(self, run_id: str) -> LiveTraceView:
         """A run's own trace before it seals: infra marks and the harness's events."""
         return await self._call("GET", f"/v1/runs/{_quote(run_id)}/trajectory/live", LiveTraceView)
+
+    # ------------------------------------------------------------ online evaluation
+
+    async def apply_online_suite(self, suite: OnlineSuiteSpec) -> OnlineSuiteView:
+        """Define (or replace) an online suite (admin)."""
+        return await self._call("POST", "/v1/online/suites", OnlineSuiteView, body=suite)
+
+    async def online_suites(self) -> OnlineSuiteList:
+        """Every online suite."""
+        return await self._call("GET", "/v1/online/suites", OnlineSuiteList)
+
+    async def online_suite(self, suite_id: str) -> OnlineSuiteDetail:
+        """One online suite with its rolling scores, fate counts and recent judged observations."""
+        return await self._call("GET", f"/v1/online/suites/{_quote(suite_id)}", OnlineSuiteDetail)
+
+    async def delete_online_suite(self, suite_id: str) -> SuiteDeleted:
+        """Stop sampling for an online suite (admin)."""
+        return await self._call("DELETE", f"/v1/online/suites/{_quote(suite_id)}", SuiteDeleted)
+
+    async def online_stats(self, suite_id: str | None = None) -> OnlineStats:
+        """Observations per suite, fate and reason."""
+        params = {"suite": suite_id} if suite_id else None
+        return await self._call("GET", "/v1/online/stats", OnlineStats, params=params)
+
+    async def observation_fates(self, trace_id: str) -> ObservationAnswer:
+        """Why a trace was (or was not) judged."""
+        return await self._call("GET", f"/v1/online/observations/{_quote(trace_id)}", ObservationAnswer)
 
     async def follow_run(
         self,
