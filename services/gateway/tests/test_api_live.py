@@ -68,7 +68,7 @@ def auth(token: str = ALICE) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-class LiveRun:
+class ScriptedRun:
     """A run's events as the dispatcher (LIVE) and the CASES stages would publish them."""
 
     def __init__(self, pub: Publisher, script: BatchScript, case_id: str = "c1", *, trial: int | None = None) -> None:
@@ -128,11 +128,11 @@ def new_script(spec: BatchSpec | None = None, cases: tuple[str, ...] = ("c1",)) 
     return BatchScript("b" + uuid.uuid4().hex[:12], spec or batch_spec(cases), submitted_by="alice")
 
 
-async def started_run(pub: Publisher, script: BatchScript | None = None, case_id: str = "c1") -> LiveRun:
+async def started_run(pub: Publisher, script: BatchScript | None = None, case_id: str = "c1") -> ScriptedRun:
     """A run of alice's that a dispatcher accepted and started."""
     script = script or new_script()
     await pub.publish_event(script.requested())
-    run = LiveRun(pub, script, case_id)
+    run = ScriptedRun(pub, script, case_id)
     await run.requested()
     await run.mark("accepted", "accepted by a dispatcher")
     await run.mark("started", "harness starting")
@@ -280,7 +280,7 @@ async def test_the_live_trace_is_marks_then_events_in_order_on_every_replica(
     _, pub = bus
     script = new_script()
     await pub.publish_event(script.requested())
-    run = LiveRun(pub, script)
+    run = ScriptedRun(pub, script)
     await run.requested()
     await view_of(http, one, run.run_id)  # queued: known once recorded (no dispatcher has marked it)
     before = await live_trace(http, one, run.run_id)
@@ -319,7 +319,7 @@ async def test_a_trial_s_status_is_its_own_not_its_sibling_s(
     _, pub = bus
     script = new_script()
     await pub.publish_event(script.requested())
-    first, second = LiveRun(pub, script, trial=1), LiveRun(pub, script, trial=2)
+    first, second = ScriptedRun(pub, script, trial=1), ScriptedRun(pub, script, trial=2)
     for trial in (first, second):
         await trial.requested()
         await trial.mark("accepted")
@@ -370,7 +370,7 @@ async def test_a_run_the_recorder_has_not_written_is_known_by_its_live_marks(
     _, pub = bus
     script = new_script()
     await pub.publish_event(script.requested())
-    run = LiveRun(pub, script)  # no case.requested at all: only its LIVE messages name it
+    run = ScriptedRun(pub, script)  # no case.requested at all: only its LIVE messages name it
     await run.mark("accepted")
     await run.log("early\n")
     assert (await logs(http, one, run.run_id)).text == "early\n"
@@ -464,7 +464,7 @@ async def test_the_live_trace_stream_resumes_on_another_replica_and_ends(
     _, pub = bus
     script = new_script()
     await pub.publish_event(script.requested())
-    run = LiveRun(pub, script)
+    run = ScriptedRun(pub, script)
     await run.requested()
     await view_of(http, one, run.run_id)
     path = f"/v1/runs/{run.run_id}/trajectory/live/stream"
@@ -516,7 +516,7 @@ async def test_the_live_trace_link_is_there_while_the_run_runs_and_gone_once_it_
     spec = BatchSpec(suite=SuiteSpec(id="s", cases=batch_spec(("c1",)).suite.cases), harness=harness)
     script = new_script(spec)
     await pub.publish_event(script.requested())
-    run = LiveRun(pub, script)
+    run = ScriptedRun(pub, script)
     await run.requested()
 
     for gw in (one, two):
