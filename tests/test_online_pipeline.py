@@ -35,18 +35,26 @@ RATIO = 0.5
 TRACES = 24
 
 
+MEMBER_TOKEN = "member-token-of-alice"  # noqa: S105 - a test principal's token
+
+
 @pytest.fixture(scope="module")
 async def pipeline(pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Pipeline]:
+    root = tmp_path_factory.mktemp("online")
+    tokens = root / "tokens.json"
+    tokens.write_text(json.dumps({MEMBER_TOKEN: {"principal": "alice", "role": "member"}}))
     collector = {"COLLECTOR_SETTLE_S": "0.5", "COLLECTOR_MAX_WAIT_S": "20"}
+    gateway = {"GATEWAY_TOKENS_FILE": str(tokens)}
     async with open_pipeline(
-        pg_admin_url, tmp_path_factory.mktemp("online"), service_env={"collector": collector}
+        pg_admin_url, root / "pipeline", service_env={"collector": collector, "gateway": gateway}
     ) as p:
         yield p
 
 
-async def api(p: Pipeline, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+async def api(p: Pipeline, method: str, path: str, body: Any = None, *, token: str | None = None) -> tuple[int, Any]:
+    headers = dict(p.stack.headers()) if token is None else {"Authorization": f"Bearer {token}"}
     async with (
-        aiohttp.ClientSession(headers=dict(p.stack.headers())) as session,
+        aiohttp.ClientSession(headers=headers) as session,
         session.request(method, p.stack.gateway_url + path, json=body) as resp,
     ):
         return resp.status, await resp.json()
@@ -177,6 +185,15 @@ async def test_sampled_production_traces_are_judged_and_every_fate_is_answered(p
         [score] = [s for s in run["scores"] if s["metric"] == "judge:polite"]
         expected = answers.get(trace_id, "Thank you (json)")
         assert score["pass"] is ("thank" in expected.lower()), trace_id
+    # members read online suites and their judged runs, but do not change suites
+    status, mine = await api(p, "GET", f"/v1/online/suites/{suite_id}", token=MEMBER_TOKEN)
+    assert status == 200, mine
+    some_run = next(iter(by_observation.values()))
+    status, trajectory = await api(p, "GET", some_run["trajectory"], token=MEMBER_TOKEN)
+    assert status == 200, trajectory
+    assert {e["type"] for e in trajectory["events"]} >= {"case.observed", "case.judged"}
+    status, refused = await api(p, "DELETE", f"/v1/online/suites/{suite_id}", token=MEMBER_TOKEN)
+    assert (status, refused["error"]["code"]) == (403, "forbidden")
     hour = {m["metric"]: m for m in detail["metrics"] if m["window"] == "hour"}
     polite_sampled = [t for t in sampled if "thank" in answers.get(t, "Thank you (json)").lower()]
     assert hour["judge:polite"]["count"] == len(sampled)

@@ -1,7 +1,9 @@
 """Who may read what: the audience rule every batch and run read shares.
 
-A member sees the batches it submitted and their runs; an admin sees everything. Anything else is
-answered 404, exactly like a missing batch or run, so ids cannot be probed.
+A member sees the batches it submitted and their runs; an admin sees everything. The runs of
+online suites (pseudo-batches `online-<suite>`: judged production observations) belong to the
+deployment, like the suites: every member reads them. Anything else is answered 404, exactly like
+a missing batch or run, so ids cannot be probed.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from evalbus_gateway.api.reads import find_batch
 from evalbus_gateway.api.table import Call
 from evalbus_gateway.live.reads import last_on
 from evalbus_gateway.store import get_run
+from evalbus_gateway.store.projection import ONLINE_BATCH_PREFIX
 from evalbus_gateway.store.queries import BatchView, RunView
 
 
@@ -30,6 +33,8 @@ async def _may_see_batch_of(call: Call, batch_id: str | None) -> bool:
         return True
     if batch_id is None:
         return False
+    if batch_id.startswith(ONLINE_BATCH_PREFIX):
+        return True
     batch = await find_batch(call.state.pool, call.state.js, batch_id)
     return call.user.may_access(batch.submitted_by if batch is not None else None)
 
