@@ -402,7 +402,7 @@ AUTHENTICATED = [(m, r.path) for r in ROUTES if r.access != "public" for m in r.
 async def test_every_v1_route_needs_a_token(
     gateway: RunningGateway, batches: dict[str, str], method: str, path: str
 ) -> None:
-    url = gateway.base_url + path.format(batch_id=batches["one"], run_id="evb-x-c1")
+    url = gateway.base_url + path.format(batch_id=batches["one"], run_id="evb-x-c1", suite_id="s1", trace_id="0" * 32)
     async with aiohttp.ClientSession() as http, http.request(method, url) as resp:
         assert resp.status == 401
         error = msgspec.json.decode(await resp.read(), type=ErrorBody).error
