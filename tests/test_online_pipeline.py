@@ -12,9 +12,12 @@ import asyncio
 import io
 import json
 import re
+import subprocess
+import sys
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -346,3 +349,60 @@ async def test_an_observation_the_judge_gives_up_on_is_dead_lettered_with_its_re
     assert (fate["suite_id"], fate["reason"]) == (suite_id, "poison")
     # the judge and the recorder both refuse it; the first dead letter decides the fate
     assert re.match(r"(judge|gateway): poison: case\.observed belongs on ", fate["detail"]), fate
+
+
+def evalbus(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "evalbus.cli", *args], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+async def test_the_online_and_dlq_commands(pipeline: Pipeline, tmp_path: Path) -> None:
+    p = pipeline
+    gateway = ("--gateway", p.stack.gateway_url, "--token", p.stack.admin_token)
+    suite_id = f"cli-{uuid.uuid4().hex[:6]}"
+    good = tmp_path / "suites.yaml"
+    good.write_text(
+        f"suites:\n  - id: {suite_id}\n    target: {{service: support-bot}}\n    sample_ratio: 0.2\n"
+        "    judges: [{kind: regex, id: polite, pattern: '(?i)thank'}]\n"
+    )
+    done = await asyncio.to_thread(evalbus, "online", "apply", str(good), *gateway)
+    assert done.returncode == 0, done.stderr
+    assert f"online suite {suite_id} applied (ratio 0.2)" in done.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"id: {suite_id}-bad\ntarget: {{service: support-bot}}\njudges: []\n")
+    refused = await asyncio.to_thread(evalbus, "online", "apply", str(bad), *gateway)
+    assert refused.returncode == 2
+    assert "at $.judges: an online suite needs at least one judge" in refused.stderr
+    listed = await asyncio.to_thread(evalbus, "online", "ls", "--json", *gateway)
+    assert suite_id in [item["suite"]["id"] for item in json.loads(listed.stdout)["items"]]
+    why = await asyncio.to_thread(evalbus, "online", "why", uuid.uuid4().hex, *gateway)
+    assert (why.returncode, "unknown — evalbus never received it" in why.stdout) == (1, True)
+    removed = await asyncio.to_thread(evalbus, "online", "rm", suite_id, *gateway)
+    assert removed.returncode == 0, removed.stderr
+
+    # a poison message: dead-lettered, listed, shown, redriven once
+    subject = f"case.observed.{suite_id}.garbage"
+    await p.nc.jetstream().publish(subject, b"not an event", headers={"Nats-Msg-Id": f"garbage:{suite_id}"})
+    nats_args = ("--nats", p.nats.url)
+
+    async def letters() -> list[dict[str, Any]]:
+        done = await asyncio.to_thread(evalbus, "dlq", "ls", "--json", *nats_args)
+        assert done.returncode == 0, done.stderr
+        return [x for x in json.loads(done.stdout) if x["subject"] == subject]
+
+    async def dead_lettered() -> bool:
+        return len(await letters()) == 2  # the judge and the recorder both refuse it
+
+    await eventually(dead_lettered, timeout_s=60, what="the poison message in the DLQ")
+    first = (await letters())[0]
+    assert first["reason"].startswith("poison: undecodable payload")
+    shown = await asyncio.to_thread(evalbus, "dlq", "show", str(first["seq"]), "--json", *nats_args)
+    assert json.loads(shown.stdout)["payload"] == "not an event"
+    for _ in range(2):  # the second redrive of the same letter is deduplicated
+        redriven = await asyncio.to_thread(evalbus, "dlq", "redrive", str(first["seq"]), *nats_args)
+        assert redriven.returncode == 0, redriven.stderr
+    stored = await read_stream(p.nc, "CASES", (subject,))
+    assert len(stored) == 2  # the original and one redrive
+    nothing = await asyncio.to_thread(evalbus, "dlq", "redrive", *nats_args)
+    assert nothing.returncode == 2
