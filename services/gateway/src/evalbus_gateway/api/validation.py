@@ -1,6 +1,10 @@
 """Input validation: bodies (size, JSON, shape), the batch spec's own rules, query and path
 parameters, and the opaque page cursors. Every failure is an `ApiError` naming the field.
 
+Bodies are read strictly: a key the body's type does not know (`trails` for `trials`) or a value
+outside a fixed set is a 400 naming its path and the nearest known key, although the same types
+decode leniently on the bus (events must stay readable by older replicas).
+
 `check_batch_spec` is pure: the rules msgspec's types cannot express (unique ids, ranges, regexes
 that compile, judge ids without `:`), each reported at the JSON path of the offending value.
 """
@@ -17,6 +21,7 @@ import msgspec
 from aiohttp import web
 
 from evalbus_contracts import BatchSpec, CommandGrader, JudgeSpec, RegexJudge, TextMetricGrader, decode
+from evalbus_contracts.strict import StrictProblem, strict_problems
 from evalbus_gateway.api.errors import ApiError, invalid
 
 T = TypeVar("T")
@@ -48,15 +53,33 @@ async def read_body(request: web.Request, limit: int) -> bytes:
 
 def parse_json(body: bytes, kind: type[T]) -> T:
     """Decode `body` as `kind`: 400 `invalid_json` when it is not JSON, `invalid` when it is the
-    wrong shape (the field is the JSON path of the bad value)."""
+    wrong shape or holds a key `kind` does not know (the field is the JSON path of the bad value or
+    key). Unknown keys are reported before type errors: a misspelt key usually explains a missing
+    field."""
     if not body.strip():
         raise ApiError(400, "invalid_json", "request body is empty; expected a JSON object", "$")
     try:
-        return decode(body, kind)
+        value = decode(body, kind)
     except msgspec.ValidationError as e:
+        _raise_strict(body, kind)
         raise invalid(e) from None
     except msgspec.DecodeError as e:
         raise ApiError(400, "invalid_json", f"request body is not valid JSON: {e}", "$") from None
+    _raise_strict(body, kind)
+    return value
+
+
+def strict_error(problems: Sequence[StrictProblem]) -> ApiError:
+    """A 400 naming the first unknown key (or value outside its set) and how many more there are."""
+    first = problems[0]
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return ApiError(400, "invalid", first.message + more, first.field)
+
+
+def _raise_strict(body: bytes, kind: type[T]) -> None:
+    problems = strict_problems(msgspec.json.decode(body), kind)
+    if problems:
+        raise strict_error(problems)
 
 
 async def read_json(request: web.Request, kind: type[T], limit: int) -> T:
