@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -507,3 +509,16 @@ async def test_started_before_nats_is_up_it_connects_and_publishes(tmp_path: Pat
         assert {e.observation_id for e, _ in await stored(server.url, target)} == set(ids)
     finally:
         server.stop()
+
+
+def test_the_recorder_imports_no_service_package() -> None:
+    """It runs inside the application: importing it must not pull in a service (or the gateway's
+    database driver)."""
+    code = (
+        "import sys, evalbus.online; "
+        "print(sorted({m.split('.')[0] for m in sys.modules if m.split('.')[0] in ("
+        "'evalbus_collector', 'evalbus_gateway', 'evalbus_judge', 'evalbus_dispatcher', 'evalbus_exporter', "
+        "'asyncpg', 'evalbus_grading')}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
