@@ -5,7 +5,13 @@
   `{"<token>": {"principal": "alice", "role": "member"}, ...}`.
 
 An admin sees and cancels every batch; a member only the batches it submitted (the submitter is
-the batch's creator). Tokens are kept as SHA-256 digests and compared by digest, so a lookup
+the batch's creator).
+
+The web dashboard logs in by exchanging a token for an HttpOnly, SameSite=Strict session cookie
+(`SESSION_COOKIE`, `POST /ui/login`), so a token never goes into a URL and page scripts never see
+it; the cookie authenticates the API like the header does. A write authenticated by the cookie must
+also carry `X-Evalbus-Csrf: 1` — a header another site's page cannot add without a CORS preflight
+the gateway never grants — so a cross-site form cannot act with a reader's session. Tokens are kept as SHA-256 digests and compared by digest, so a lookup
 takes the same time whichever token is presented, and the table never holds a plain token.
 """
 
@@ -106,11 +112,26 @@ def load_tokens_file(path: Path) -> dict[str, Principal]:
 
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="evalbus"'}
 
+SESSION_COOKIE = "evalbus_session"
+"""The dashboard's session cookie (it holds the token, HttpOnly)."""
+CSRF_HEADER = "X-Evalbus-Csrf"
+"""Required on writes authenticated by the session cookie."""
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
 
 def authenticate(request: web.Request, tokens: TokenTable) -> Principal:
-    """The principal of the request's bearer token; 401 naming the `Authorization` header otherwise."""
+    """The principal of the request's bearer token (or dashboard session cookie); 401 naming the
+    `Authorization` header otherwise."""
     header = request.headers.get("Authorization")
     if header is None:
+        session = request.cookies.get(SESSION_COOKIE)
+        if session:
+            principal = tokens.lookup(session)
+            if principal is None:
+                raise ApiError(401, "unauthorized", "the session has ended: log in again", "Authorization")
+            if request.method not in _SAFE_METHODS and request.headers.get(CSRF_HEADER) != "1":
+                raise ApiError(403, "forbidden", f"a write with the session cookie needs {CSRF_HEADER}: 1", CSRF_HEADER)
+            return principal
         raise ApiError(401, "unauthorized", "missing bearer token", "Authorization", headers=_CHALLENGE)
     scheme, _, token = header.strip().partition(" ")
     token = token.strip()

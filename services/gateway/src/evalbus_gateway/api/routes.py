@@ -64,6 +64,7 @@ from evalbus_gateway.store import (
     rebuild_read_models,
 )
 from evalbus_gateway.store.queries import BatchView, RebuildOutcome, RunView, Stage, Trajectory
+from evalbus_gateway.web import ROUTES as WEB_ROUTES
 
 log = logging.getLogger("evalbus.gateway.api")
 
@@ -410,6 +411,7 @@ ROUTES: tuple[Route, ...] = (
     ),
     *LIVE_ROUTES,
     *ONLINE_ROUTES,
+    *WEB_ROUTES,
     Route(
         ("GET",),
         "/v1/me",

@@ -1,0 +1,145 @@
+"""The web dashboard: one page (`/`) and its assets, shipped in this package (no build step), plus
+the login that exchanges a token for the session cookie.
+
+The page is a projection like every other view: it reads the same `/v1` API (the session cookie
+authenticates it) and follows the same event streams (`EventSource` on the batch and run streams),
+so every gateway replica serves the same dashboard. Pages (hash routes): batches, a batch, a run
+(live log, live trace, sealed trajectory), online suites, an online suite.
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib import resources
+
+import msgspec
+from aiohttp import web
+
+from evalbus_gateway.api.auth import SESSION_COOKIE
+from evalbus_gateway.api.errors import ApiError
+from evalbus_gateway.api.models import ErrorBody, Me
+from evalbus_gateway.api.table import Body, Call, Route
+from evalbus_gateway.api.validation import read_json
+
+log = logging.getLogger("evalbus.gateway.web")
+
+ASSETS = {
+    "app.js": "text/javascript",
+    "app.css": "text/css",
+}
+"""The assets the page loads, by name, with their content type."""
+SESSION_MAX_AGE_S = 12 * 3600
+"""How long a dashboard session lasts."""
+
+
+class LoginRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """The token to log in with (in the body, never the URL)."""
+
+    token: str
+
+
+def _asset(name: str) -> bytes:
+    return (resources.files("evalbus_gateway.web") / "assets" / name).read_bytes()
+
+
+async def index(call: Call) -> web.StreamResponse:
+    """GET /: the dashboard page."""
+    return web.Response(
+        body=_asset("index.html"),
+        content_type="text/html",
+        charset="utf-8",
+        headers={"Cache-Control": "no-cache", "Content-Security-Policy": _CSP, "X-Content-Type-Options": "nosniff"},
+    )
+
+
+async def asset(call: Call) -> web.StreamResponse:
+    """GET /ui/assets/{name}."""
+    name = call.request.match_info.get("name", "")
+    content_type = ASSETS.get(name)
+    if content_type is None:
+        raise ApiError(404, "not_found", f"no asset {name!r}", "name")
+    return web.Response(
+        body=_asset(name),
+        content_type=content_type,
+        charset="utf-8",
+        headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"},
+    )
+
+
+async def login(call: Call) -> web.StreamResponse:
+    """POST /ui/login: a valid token becomes an HttpOnly session cookie."""
+    body = await read_json(call.request, LoginRequest, 16 * 1024)
+    principal = call.state.tokens.lookup(body.token.strip())
+    if principal is None:
+        raise ApiError(401, "unauthorized", "unknown token", "$.token")
+    response = web.Response(body=msgspec.json.encode(Me(principal=principal.name, role=principal.role)))
+    response.content_type = "application/json"
+    response.set_cookie(
+        SESSION_COOKIE,
+        body.token.strip(),
+        max_age=SESSION_MAX_AGE_S,
+        httponly=True,
+        samesite="Strict",
+        secure=call.request.secure,
+        path="/",
+    )
+    log.info("dashboard login of %s", principal.name)
+    return response
+
+
+async def logout(call: Call) -> web.StreamResponse:
+    """POST /ui/logout: forget the session cookie."""
+    response = web.json_response({"logged_out": True})
+    response.del_cookie(SESSION_COOKIE, path="/")
+    return response
+
+
+_CSP = "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; connect-src 'self'"
+"""The page loads nothing from elsewhere and runs no inline script."""
+
+ROUTES: tuple[Route, ...] = (
+    Route(
+        ("GET",),
+        "/",
+        "dashboard",
+        "The web dashboard",
+        "public",
+        index,
+        tag="dashboard",
+        responses={200: Body("The page", content_type="text/html", schema={"type": "string"})},
+    ),
+    Route(
+        ("GET",),
+        "/ui/assets/{name}",
+        "dashboardAsset",
+        "A script or stylesheet of the dashboard",
+        "public",
+        asset,
+        tag="dashboard",
+        responses={200: Body("The asset", content_type="text/plain", schema={"type": "string"})},
+    ),
+    Route(
+        ("POST",),
+        "/ui/login",
+        "dashboardLogin",
+        "Exchange a token for the dashboard's session cookie",
+        "public",
+        login,
+        description="Sets `evalbus_session` (HttpOnly, SameSite=Strict, 12 h), which then authenticates the `/v1` "
+        "API like the bearer token; writes made with it need `X-Evalbus-Csrf: 1`. 401 for an unknown token.",
+        tag="dashboard",
+        request=Body("The token", LoginRequest),
+        responses={200: Body("Who logged in", Me), 401: Body("Unknown token (`error.field` = `$.token`)", ErrorBody)},
+    ),
+    Route(
+        ("POST",),
+        "/ui/logout",
+        "dashboardLogout",
+        "Forget the dashboard's session cookie",
+        "public",
+        logout,
+        tag="dashboard",
+        responses={200: Body("Logged out", schema={"type": "object"})},
+    ),
+)
+"""The dashboard's routes, added to the gateway's table in `api.routes`."""
