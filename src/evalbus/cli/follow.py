@@ -129,11 +129,18 @@ def error_line(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+MAX_PROBLEMS_SHOWN = 20
+"""Problems printed for one file; a dataset broken on every row would otherwise fill the screen."""
+
+
 def report_spec_problems(command: str, what: str, source: str, problems: list[tuple[str, str]]) -> None:
-    """Say which file is not a valid `what`, one offending field per line."""
+    """Say which file is not a valid `what`, one offending field per line (the first
+    `MAX_PROBLEMS_SHOWN`, then how many more there are)."""
     error_line(f"evalbus {command}: {source} is not a valid {what}:")
-    for field, message in problems:
+    for field, message in problems[:MAX_PROBLEMS_SHOWN]:
         error_line(f"  {field}: {message}")
+    if len(problems) > MAX_PROBLEMS_SHOWN:
+        error_line(f"  … and {len(problems) - MAX_PROBLEMS_SHOWN} more")
 
 
 def resolve_target(command: str, state_dir: Path, url: str | None, token: str | None) -> GatewayTarget | None:

@@ -1,24 +1,62 @@
 """A suite file (YAML, or JSON) as a `BatchSpec`, every problem named by its field path.
 
+The file is a batch spec with three conveniences the CLI expands before it submits (the gateway
+only ever receives a plain `BatchSpec`):
+
+- `suite.dataset`: cases read from a JSONL, CSV, JSON or Parquet file (`evalbus.cli.dataset`),
+  after the inline `cases`;
+- `suite.graders`: graders every case gets, before its own;
+- a case `input` that is a mapping or a list: handed to the harness as JSON text.
+
+It is read strictly: a key the format does not know (`trails` for `trials`, `grader` for
+`graders`) or a value outside its set is refused with the nearest known one, where the bus's own
+decoding would ignore it.
+
 Paths in the harness command are relative to the suite file: an element of `harness.command`
 that names an existing file next to the suite (`agent.py`, `bin/agent`) becomes its absolute
 path, so `python3 agent.py` works whatever the working directory. Relative `jsonl` sink paths are
-left alone: the exporter resolves them inside its export folder.
+left alone: the exporter resolves them inside its export folder. A dataset path is relative to the
+suite file too.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
 import yaml
 
-from evalbus_contracts import BatchSpec, JudgeSpec, convert
-from evalbus_gateway.api.errors import field_of
+from evalbus.cli.dataset import DatasetCase, DatasetError, DatasetSpec, input_text, load_dataset
+from evalbus_contracts import BatchSpec, CaseSpec, GraderSpec, JudgeSpec, SuiteSpec, convert
+from evalbus_contracts.strict import error_location, strict_problems
 from evalbus_gateway.api.validation import batch_spec_problems
 
 T = TypeVar("T")
+
+_YAML_LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+"""libyaml's safe loader when PyYAML was built with it: ten times faster on a large suite."""
+
+
+class FileSuite(SuiteSpec, frozen=True, kw_only=True):
+    """`suite` as a suite file writes it: inline `cases` and/or a `dataset`, plus suite-wide
+    `graders`."""
+
+    cases: tuple[CaseSpec, ...] = ()
+    """Inline cases (a case's `input` may be a mapping or a list: it is passed on as JSON text)."""
+    dataset: DatasetSpec | None = None
+    """Cases read from a file, after the inline ones."""
+    graders: tuple[GraderSpec, ...] = ()
+    """Graders every case gets, before its own (so their ids must not repeat a case's)."""
+
+
+class SuiteFile(BatchSpec, frozen=True, kw_only=True):
+    """A suite file: a batch spec whose suite may name a dataset and suite-wide graders."""
+
+    suite: FileSuite
+    """The dataset: inline cases, a dataset file, or both."""
 
 
 class SpecFileError(Exception):
@@ -34,7 +72,17 @@ class SpecFileError(Exception):
 
 def parse_document(text: str, source: str) -> Any:
     """YAML (JSON is YAML too) text as plain data; `SpecFileError` at `$` naming the line when it
-    does not parse."""
+    does not parse (found again by the pure-Python loader, whose marks are the more precise).
+    JSON text is read by msgspec first: a YAML loader takes seconds on a suite of 10,000 cases."""
+    if text.lstrip().startswith(("{", "[")):
+        try:
+            return msgspec.json.decode(text)
+        except msgspec.DecodeError:
+            pass  # YAML's flow style looks like JSON too
+    try:
+        return yaml.load(text, Loader=_YAML_LOADER)  # noqa: S506 - a safe loader (libyaml's when built in)
+    except yaml.YAMLError:
+        pass
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -45,13 +93,16 @@ def parse_document(text: str, source: str) -> Any:
 
 
 def convert_as(data: Any, kind: type[T], source: str, root: str = "$") -> T:
-    """Validate plain data as `kind`; `SpecFileError` naming the offending field (its JSON path
-    under `root`, the same path the gateway's 400 errors use)."""
+    """Validate plain data as `kind`, strictly; `SpecFileError` naming every unknown key (or value
+    outside its set), else the first offending field (JSON paths under `root`, the same paths the
+    gateway's 400 errors use)."""
+    unknown = strict_problems(data, kind, root)
+    if unknown:
+        raise SpecFileError(source, [(p.field, p.message) for p in unknown])
     try:
         return convert(data, kind)
     except msgspec.ValidationError as e:
-        field, message = field_of(e, root)
-        raise SpecFileError(source, [(field, message)]) from None
+        raise SpecFileError(source, [error_location(e, root)]) from None
 
 
 def resolve_command(spec: BatchSpec, folder: Path) -> BatchSpec:
@@ -67,7 +118,7 @@ def resolve_command(spec: BatchSpec, folder: Path) -> BatchSpec:
 
 
 def load_suite(path: Path) -> BatchSpec:
-    """Read, validate and resolve a suite file; `SpecFileError` with every problem found."""
+    """Read, validate, expand and resolve a suite file; `SpecFileError` with every problem found."""
     source = str(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -77,11 +128,85 @@ def load_suite(path: Path) -> BatchSpec:
     data = parse_document(text, source)
     if not isinstance(data, dict):
         raise SpecFileError(source, [("$", f"expected a mapping with suite, harness, judges…, got {_kind(data)}")])
-    spec = convert_as(data, BatchSpec, source)
-    problems = [(p.field, p.message) for p in batch_spec_problems(spec)]
+    _inputs_as_text(data)
+    folder = path.resolve().parent
+    file = convert_as(data, SuiteFile, source)
+    spec, origins = expand(file, folder, source)
+    shared = len(file.suite.graders)
+    problems = list(dict.fromkeys((locate(p.field, origins, shared), p.message) for p in batch_spec_problems(spec)))
     if problems:
         raise SpecFileError(source, problems)
-    return resolve_command(spec, path.resolve().parent)
+    return resolve_command(spec, folder)
+
+
+@dataclass(frozen=True, slots=True)
+class CaseOrigin:
+    """Where a case of the expanded spec was written, so a broken rule is reported there."""
+
+    case_at: str
+    """`$.suite.cases[3]` for an inline case, `cases.jsonl line 7` for a dataset row."""
+    columns: dict[str, str] | None
+    """Case field → dataset column (None: an inline case, whose fields are its own keys)."""
+    graders_at: str
+    """Where the case's own graders were written (they follow the suite's in the expanded case)."""
+
+    def field(self, name: str) -> str:
+        """Where field `name` of the case was written."""
+        if self.columns is None:
+            return f"{self.case_at}.{name}"
+        return f"{self.case_at}, field {self.columns.get(name, name)}"
+
+
+def expand(file: SuiteFile, folder: Path, source: str) -> tuple[BatchSpec, list[CaseOrigin]]:
+    """The batch spec a suite file means — its inline cases, then its dataset's, each with the
+    suite's graders first — and where each case was written."""
+    suite = file.suite
+    cases = list(suite.cases)
+    origins = [CaseOrigin(f"$.suite.cases[{i}]", None, f"$.suite.cases[{i}].graders") for i in range(len(cases))]
+    if suite.dataset is not None:
+        try:
+            loaded: list[DatasetCase] = load_dataset(suite.dataset, folder)
+        except DatasetError as e:
+            raise SpecFileError(source, e.problems) from None
+        cases.extend(d.case for d in loaded)
+        origins.extend(CaseOrigin(d.where, d.columns, d.graders_at) for d in loaded)
+    if suite.graders:
+        cases = [msgspec.structs.replace(c, graders=suite.graders + c.graders) for c in cases]
+    plain = {name: getattr(suite, name) for name in SuiteSpec.__struct_fields__}
+    batch = {name: getattr(file, name) for name in BatchSpec.__struct_fields__}
+    batch["suite"] = SuiteSpec(**{**plain, "cases": tuple(cases)})
+    return BatchSpec(**batch), origins
+
+
+_CASE_FIELD = re.compile(r"^\$\.suite\.cases\[(?P<index>\d+)\]\.(?P<name>\w+)(?P<rest>.*)$")
+_GRADER = re.compile(r"^\[(?P<index>\d+)\](?P<rest>.*)$")
+
+
+def locate(field: str, origins: list[CaseOrigin], shared: int) -> str:
+    """A rule's field in the expanded spec (`$.suite.cases[k]…`) as where it was written: an
+    inline case, a dataset row and column, or one of the `shared` suite-wide graders."""
+    match = _CASE_FIELD.match(field)
+    if match is None or int(match["index"]) >= len(origins):
+        return field
+    origin, name, rest = origins[int(match["index"])], match["name"], match["rest"]
+    grader = _GRADER.match(rest) if name == "graders" else None
+    if grader is not None:
+        j = int(grader["index"])
+        if j < shared:
+            return f"$.suite.graders[{j}]{grader['rest']}"
+        return f"{origin.graders_at}[{j - shared}]{grader['rest']}"
+    return origin.field(name) + rest
+
+
+def _inputs_as_text(data: dict[str, Any]) -> None:
+    """Inline case inputs that are mappings or lists, as the JSON text the harness receives."""
+    suite = data.get("suite")
+    cases = suite.get("cases") if isinstance(suite, dict) else None
+    if not isinstance(cases, list):
+        return
+    for case in cases:
+        if isinstance(case, dict) and isinstance(case.get("input"), (dict, list)):
+            case["input"] = input_text(case["input"])
 
 
 def load_judges(value: str) -> tuple[JudgeSpec, ...]:
