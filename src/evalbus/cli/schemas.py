@@ -1,5 +1,6 @@
-"""`evalbus schemas [--out DIR] [--check]`: write the JSON Schema of every event (and of the batch
-spec) to `docs/schemas/`, or check that the committed files match the code."""
+"""`evalbus schemas [--out DIR] [--docs DIR] [--check]`: write the JSON Schema of every event (and
+of the batch spec) to `docs/schemas/` and the field tables of the suite and harness references
+(`docs/suites.md`, `docs/harness.md`), or check that the committed files match the code."""
 
 from __future__ import annotations
 
@@ -7,20 +8,27 @@ import argparse
 import json
 from pathlib import Path
 
+from evalbus.cli.reference import reference_drift, write_reference
 from evalbus_contracts.schema import schemas
 
 DEFAULT_OUT = Path("docs/schemas")
 """Where the schemas are committed."""
+DEFAULT_DOCS = Path("docs")
+"""Where the reference docs with generated field tables are."""
 
 
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the `schemas` parser."""
     parser = commands.add_parser(
         "schemas",
-        help="write (or --check) the JSON Schemas of the events",
-        description="Write the JSON Schema of every event and of the batch spec, one file each.",
+        help="write (or --check) the JSON Schemas of the events and the reference docs' field tables",
+        description="Write the JSON Schema of every event and of the batch spec, one file each, and the "
+        "generated field tables of docs/suites.md and docs/harness.md.",
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder (default: docs/schemas)")
+    parser.add_argument(
+        "--docs", type=Path, default=DEFAULT_DOCS, help="folder of suites.md and harness.md (default: docs)"
+    )
     parser.add_argument("--check", action="store_true", help="only compare; exit 1 when the files drifted")
     parser.set_defaults(run=run)
 
@@ -57,14 +65,16 @@ def write_schemas(out: Path) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     """Write or check the schemas."""
     if args.check:
-        problems = drift(args.out)
+        problems = drift(args.out) + reference_drift(args.docs)
         for line in problems:
             print(line)
         if problems:
-            print(f"{args.out} drifted from the contracts: run `just schemas`")
+            print(f"{args.out} or the references in {args.docs} drifted from the contracts: run `just schemas`")
             return 1
-        print(f"{args.out} matches the contracts")
+        print(f"{args.out} and the references in {args.docs} match the contracts")
         return 0
     names = write_schemas(args.out)
     print(f"wrote {len(names)} schemas to {args.out}")
+    for path in write_reference(args.docs):
+        print(f"rewrote the field tables of {path}")
     return 0
