@@ -182,9 +182,13 @@ def test_the_expanded_spec_is_what_the_gateway_accepts(tmp_path: Path) -> None:
     assert parse_json(encode(spec), BatchSpec) == spec  # strict: nothing the gateway does not know
 
 
-def test_the_example_suite_still_loads() -> None:
-    spec = load_suite(Path(__file__).parents[1] / "examples" / "suite.yaml")
-    assert len(spec.suite.cases) == 30
+def test_the_example_suites_load() -> None:
+    examples = Path(__file__).parents[1] / "examples"
+    assert len(load_suite(examples / "suite.yaml").suite.cases) == 30
+    first, *rest = load_suite(examples / "dataset.yaml").suite.cases
+    assert len(rest) == 9
+    assert (first.id, first.input, first.expected, first.tags) == ("row-1", "What is 6 * 7?", "42", ("math",))
+    assert [g.id for g in first.graders] == ["answer", "steps", "cost", "latency"]
 
 
 # ---------------------------------------------------------------- sample, shuffle, limit
