@@ -14,7 +14,7 @@ import pytest
 
 from evalbus.cli import main
 from evalbus.cli.dataset import DatasetSpec, select
-from evalbus.cli.suite_file import SpecFileError, load_suite
+from evalbus.cli.suite_file import SpecFileError, load_judges, load_suite
 from evalbus_contracts import AnswerMatchGrader, BatchSpec, CaseSpec, StepsGrader, TextMetricGrader, encode
 from evalbus_gateway.api.validation import parse_json
 
@@ -357,3 +357,9 @@ def test_run_exits_2_on_a_dataset_problem_naming_file_line_and_field(
     assert "cases.jsonl line 21, field input" in err
     assert "cases.jsonl line 22" not in err  # 20 problems shown, then a count
     assert "… and 5 more" in err
+
+
+def test_judges_given_on_the_command_line_are_read_strictly_too() -> None:
+    with pytest.raises(SpecFileError) as info:
+        load_judges('[{"kind": "regex", "id": "r", "patern": "x"}]')
+    assert info.value.problems == [("$[0].patern", "unknown field; did you mean `pattern`?")]
