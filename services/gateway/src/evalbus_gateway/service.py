@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from evalbus_gateway.api.auth import TokenTable
+from evalbus_gateway.api.mcp import McpEndpoint, loopback_url
 from evalbus_gateway.api.routes import install_api
 from evalbus_gateway.database import create_pool
 from evalbus_gateway.errors import GatewayError
@@ -47,6 +48,7 @@ def build_gateway(
     if not len(tokens):
         log.warning("no bearer tokens configured (GATEWAY_ADMIN_TOKEN, GATEWAY_TOKENS_FILE): every /v1 call is 401")
     state = GatewayState(service, settings, tokens)
+    state.mcp = McpEndpoint()
     install_api(service.app, state)
     finalizer = Finalizer(state)
     recorder = RecorderStage(
@@ -68,6 +70,8 @@ def build_gateway(
         if applied:
             log.info("event store migrated", extra={"fields": {"applied": applied}})
         state.set_pool(pool)
+        if state.mcp is not None and service.http_port is not None:
+            await state.mcp.start(loopback_url(settings.http_host, service.http_port))
         recorder.batcher.start()
         try:
             await finalize_stragglers(pool, service.publisher)
@@ -76,6 +80,8 @@ def build_gateway(
 
     async def stop(_: Service) -> None:
         await state.streams.close_all()
+        if state.mcp is not None:
+            await state.mcp.stop()
         await recorder.batcher.stop()
         await finalizer.drain()
         pool = state.pool_or_none

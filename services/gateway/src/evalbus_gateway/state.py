@@ -17,6 +17,8 @@ from evalbus_runtime import Publisher, Service
 if TYPE_CHECKING:
     from nats.aio.client import Client as NatsClient
 
+    from evalbus_gateway.api.mcp import McpEndpoint
+
 
 class GatewayState:
     """One per gateway process; handlers reach it through the route table."""
@@ -30,6 +32,8 @@ class GatewayState:
         self.openapi = b"{}"
         """The OpenAPI document (generated when the routes are installed)."""
         self._pool: asyncpg.Pool[asyncpg.Record] | None = None
+        self.mcp: McpEndpoint | None = None
+        """The `/mcp` endpoint (set by `build_gateway`)."""
 
     @property
     def pool(self) -> asyncpg.Pool[asyncpg.Record]:

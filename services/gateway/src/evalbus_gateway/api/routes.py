@@ -24,6 +24,7 @@ from evalbus_gateway.api.auth import Principal, authenticate, require_admin
 from evalbus_gateway.api.errors import ApiError, error_middleware, not_found
 from evalbus_gateway.api.live import ROUTES as LIVE_ROUTES
 from evalbus_gateway.api.live import live_trace_link
+from evalbus_gateway.api.mcp import ROUTES as MCP_ROUTES
 from evalbus_gateway.api.models import (
     BatchAccepted,
     BatchLinks,
@@ -412,6 +413,7 @@ ROUTES: tuple[Route, ...] = (
     *LIVE_ROUTES,
     *ONLINE_ROUTES,
     *WEB_ROUTES,
+    *MCP_ROUTES,
     Route(
         ("GET",),
         "/v1/me",
