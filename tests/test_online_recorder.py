@@ -264,6 +264,7 @@ async def test_drops_are_counted_with_their_reasons() -> None:
     assert recorder.record(trace_id=trace_id(), output=42) is Outcome.INVALID  # type: ignore[arg-type]
     assert recorder.record(trace_id=trace_id(), observation_id=7) is Outcome.INVALID  # type: ignore[arg-type]
     assert recorder.record(trace_id=trace_id(), trace=5) is Outcome.INVALID  # type: ignore[arg-type]
+    assert recorder.record(trace_id=trace_id(), trace="events") is Outcome.INVALID  # type: ignore[arg-type]
     assert recorder.record(trace_id=trace_id(), metadata=[1, 2]) is Outcome.INVALID  # type: ignore[arg-type]
     untargeted = Recorder(unreachable_url(), close_at_exit=False).start()
     assert untargeted.record(trace_id=trace_id()) is Outcome.INVALID
@@ -280,11 +281,11 @@ async def test_drops_are_counted_with_their_reasons() -> None:
         "queue_full": 2,
         "invalid_trace_id": 11,
         "too_large": 1,
-        "invalid": 5,
+        "invalid": 6,
     }
     assert dict(stats.lost) == {"unsent": 3}
     assert balanced(stats)
-    assert stats.offered == 3 + 1 + 2 + 11 + 1 + 5
+    assert stats.offered == 3 + 1 + 2 + 11 + 1 + 6
     assert recorder.stats().dropped["closed"] == 1
 
 

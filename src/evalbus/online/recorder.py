@@ -35,7 +35,9 @@ its reason (`LostReason`); a refused one is counted as dropped with its reason (
 (bounded in items and bytes) absorbs the backlog; past its bound `record()` drops with
 `queue_full`. `close()` drains within its timeout and counts what it could not send as `unsent`.
 The queue is in memory: a process that crashes loses what it held (`close()` at exit is
-registered, so an orderly exit drains).
+registered, so an orderly exit drains, waiting up to its default 10 s). A process forked after
+`start()` (a pre-forking server) has no forwarder thread in the child: start the recorder in each
+worker, after the fork.
 """
 
 from __future__ import annotations
@@ -246,7 +248,12 @@ class Recorder:
                     size += len(text)
             if size > self._max_bytes:
                 return ledger.refuse(Outcome.TOO_LARGE)
-            events = trace if type(trace) is tuple else tuple(trace)
+            if type(trace) is tuple:
+                events = trace
+            elif isinstance(trace, str | bytes | Mapping):
+                return ledger.refuse(Outcome.INVALID)
+            else:
+                events = tuple(trace)
             meta = dict(metadata) if metadata else None
             size += ITEM_BYTES + TRACE_EVENT_BYTES * len(events)
             item: Item = (
