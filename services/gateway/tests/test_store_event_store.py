@@ -607,3 +607,23 @@ async def test_a_run_recorded_out_of_order_seals_only_when_every_stage_is_in(
     assert (await verify_run(pool, run_id)).status == "ok"
     late = await record(pool, [s.msg(s.collected("c1"))])
     assert late.rejected_sealed == 1
+
+
+async def test_a_batch_is_complete_only_when_every_run_is_sealed_not_merely_exported(
+    pool: asyncpg.Pool[asyncpg.Record],
+) -> None:
+    """A replica died holding c2's `case.executed`; the rest of c2 flowed past it and was recorded
+    first. Every run is exported, but c2's results are not all in: finalizing now would aggregate
+    without them (seen in the crash test's after-commit window: `counts.executed: 9 != 10`). The
+    batch is complete, and its aggregate whole, once c2's executed event is recorded."""
+    s = Stream(cases=("c1", "c2"))
+    await record(pool, [s.msg(s.requested()), *s.lifecycle("c1")])
+    requested, executed, judged, exported = s.lifecycle("c2")
+    early = await record(pool, [requested, judged, exported])
+    assert early.complete_batches == ()
+    assert await complete_unfinalized_batches(pool) == []
+    late = await record(pool, [executed])
+    assert late.complete_batches == (s.batch_id,)
+    event = await finalize_batch(pool, s.batch_id)
+    assert event.summary.counts.executed == 2
+    assert event.summary.verdicts.verdicted == 2

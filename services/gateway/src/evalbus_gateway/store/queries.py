@@ -27,7 +27,7 @@ from evalbus_contracts import (
 )
 from evalbus_gateway.store.connections import acquire, snapshot
 from evalbus_gateway.store.projection import project
-from evalbus_gateway.store.recorder import RECORDER_LOCK
+from evalbus_gateway.store.recorder import RECORDER_LOCK, SETTLED
 
 if TYPE_CHECKING:
     import asyncpg
@@ -371,13 +371,11 @@ async def open_batches_by_supersede_key(db: Database, supersede_key: str) -> lis
 
 
 async def complete_unfinalized_batches(db: Database) -> list[str]:
-    """Every batch whose runs are all exported but that has no `batch.finalized` yet (a start-up
+    """Every batch whose runs are all sealed but that has no `batch.finalized` yet (a start-up
     sweep, in case a finalisation was lost)."""
     async with acquire(db) as conn:
-        rows = await conn.fetch(
-            "SELECT batch_id FROM batches WHERE total_runs IS NOT NULL AND exported_count >= total_runs "
-            "AND finalized_at IS NULL ORDER BY batch_id"
-        )
+        query = f"SELECT b.batch_id FROM batches b WHERE {SETTLED} ORDER BY b.batch_id"  # noqa: S608 - constants only
+        rows = await conn.fetch(query)
     return [str(r["batch_id"]) for r in rows]
 
 

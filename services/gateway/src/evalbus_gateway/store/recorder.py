@@ -24,7 +24,7 @@
    inserted (from the payload, predicting what jsonb keeps: `chain.stored_body_digest`) and kept
    in `events.body_sha256`, so a seal chains digests and never reads bodies back.
 7. The outcome lists the batches this call's messages concern that are now complete (every
-   expected run has `case.exported`) and not finalized, so the caller can publish
+   expected run is sealed: all its stages are recorded) and not finalized, so the caller can publish
    `batch.finalized`. Redelivered messages count too, so a crash between commit and ack cannot
    lose a finalisation; finalisation itself is idempotent (dedupe key `batch.finalized:<batch>`).
 
@@ -228,10 +228,19 @@ INSERT INTO seals (run_id, batch_id, head_hash, event_count, first_seq, last_seq
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (run_id) DO NOTHING
 """
 
-_COMPLETE = """
-SELECT batch_id FROM batches WHERE batch_id = ANY($1::text[]) AND total_runs IS NOT NULL
-AND exported_count >= total_runs AND finalized_at IS NULL ORDER BY batch_id
-"""
+SETTLED = """b.total_runs IS NOT NULL AND b.exported_count >= b.total_runs AND b.finalized_at IS NULL
+AND (SELECT count(*) FROM runs r WHERE r.batch_id = b.batch_id AND r.sealed) >= b.total_runs"""
+"""A batch is complete when every expected run is SEALED — every stage of it recorded — not merely
+exported: the recorder may record a run's `case.exported` before its `case.executed` (a replica
+died holding the executed event, which comes back after `ack_wait`), and an aggregate taken then
+would miss that run's results. (The cheap counter test goes first; the count of sealed runs only
+for batches that pass it.)"""
+
+_COMPLETE = (
+    "SELECT b.batch_id FROM batches b WHERE b.batch_id = ANY($1::text[]) AND "  # noqa: S608 - constants only
+    + SETTLED
+    + " ORDER BY b.batch_id"
+)
 
 
 async def _insert_events(conn: Connection, rows: Sequence[_Row], digests: Sequence[str | None]) -> None:
@@ -412,7 +421,7 @@ async def _seals(conn: Connection, links_by_run: dict[str, list[_Link]]) -> list
 
 
 async def complete_batches(conn: Connection, batch_ids: Iterable[str]) -> list[str]:
-    """Of `batch_ids`, those whose expected runs are all exported and that are not finalized."""
+    """Of `batch_ids`, those whose expected runs are all sealed and that are not finalized."""
     ids = sorted(set(batch_ids))
     if not ids:
         return []
