@@ -110,7 +110,7 @@ async def test_run_draws_progress_then_the_scorecard(stack: ServiceStack, tmp_pa
     assert "\x1b" not in done.stdout  # not a terminal: plain lines, no redrawing
     assert f"batch {batch_id}  suite cli-run  3 runs  status succeeded" in lines
     assert any(line.startswith("answer_match ") for line in lines)
-    assert "verdicts  1 passed, 2 failed, 0 without a verdict (pass rate 33.3%)" in lines
+    assert "verdicts  1 passed, 2 failed, 0 without a verdict (pass rate 33.3%, 95% CI 6.1–79.2%)" in lines
     assert any(line.startswith("export    succeeded: 3 exported, 0 failed  file://") for line in lines)
     assert "failed cases (2 of 3)" in lines
     capital = next(line for line in lines if line.strip().startswith("capital-03"))

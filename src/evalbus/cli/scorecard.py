@@ -1,13 +1,15 @@
-"""The scorecard of a finalized batch as text (pure): per-metric table, verdicts, pass@k, export,
-status, and the failed cases with their answer against the expected one.
+"""The scorecard of a finalized batch as text (pure): per-metric table, verdicts, pass@k, flaky
+cases, export, status, and the failed cases with their answer against the expected one. Means and
+rates are shown with their 95 % intervals when the summary carries them (batches finalized before
+intervals existed are shown without).
 
     batch b1a2b3c4d5e6f  suite demo-tools  30 runs  status succeeded
 
-    METRIC          COUNT   MEAN     PASS RATE  UNMEASURED
-    answer_match       30   0.800        80.0%
-    judge:rubric        0   -                -  unsupported 30
+    METRIC        COUNT  MEAN   95% CI       PASS RATE  95% CI      UNMEASURED
+    answer_match     30  0.800  0.627–0.905      80.0%  62.7–90.5%
+    judge:rubric      0  -      -                    -  -           unsupported 30
 
-    verdicts  24 passed, 6 failed, 0 without a verdict (pass rate 80.0%)
+    verdicts  24 passed, 6 failed, 0 without a verdict (pass rate 80.0%, 95% CI 62.7–90.5%)
     export    succeeded: 30 exported, 0 failed  file:///…/exports/b1a2b3c4d5e6f.jsonl
 
     failed cases (6 of 30)
@@ -20,11 +22,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from evalbus_contracts import BatchSummary, to_builtins
+from evalbus_contracts import BatchSummary, Interval, TrialSummary, to_builtins
 from evalbus_gateway.store.queries import BatchView, RunView
 
 MAX_FAILED_SHOWN = 10
 """Failed cases listed by name; the rest are counted."""
+MAX_FLAKY_SHOWN = 10
+"""Flaky cases listed by name on the scorecard; the rest are counted."""
 _CELL = 28
 
 
@@ -62,15 +66,67 @@ def table(rows: Sequence[Sequence[str]], *, right: frozenset[int] = frozenset(),
     return lines
 
 
+def number_range(ci: Interval | None) -> str:
+    """An interval of means: `0.627–0.905`."""
+    return "-" if ci is None else f"{number(ci.low)}–{number(ci.high)}"
+
+
+def percent_range(ci: Interval | None) -> str:
+    """An interval of rates: `62.7–90.5%`."""
+    return "-" if ci is None else f"{ci.low * 100:.1f}–{ci.high * 100:.1f}%"
+
+
 def metric_lines(summary: BatchSummary) -> list[str]:
-    """The per-metric table."""
+    """The per-metric table (with interval columns when the summary has intervals)."""
     if not summary.metrics:
         return ["(no scores)"]
-    rows = [("METRIC", "COUNT", "MEAN", "PASS RATE", "UNMEASURED")]
+    intervals = any(m.mean_ci is not None or m.pass_rate_ci is not None for m in summary.metrics)
+    if not intervals:
+        rows = [("METRIC", "COUNT", "MEAN", "PASS RATE", "UNMEASURED")]
+        for m in summary.metrics:
+            unmeasured = ", ".join(f"{reason} {n}" for reason, n in sorted(m.unmeasured.items()))
+            rows.append((m.metric, str(m.count), number(m.mean), percent(m.pass_rate), unmeasured))
+        return table(rows, right=frozenset({1, 3}))
+    wide = [("METRIC", "COUNT", "MEAN", "95% CI", "PASS RATE", "95% CI", "UNMEASURED")]
     for m in summary.metrics:
         unmeasured = ", ".join(f"{reason} {n}" for reason, n in sorted(m.unmeasured.items()))
-        rows.append((m.metric, str(m.count), number(m.mean), percent(m.pass_rate), unmeasured))
-    return table(rows, right=frozenset({1, 3}))
+        wide.append(
+            (
+                m.metric,
+                str(m.count),
+                number(m.mean),
+                number_range(m.mean_ci),
+                percent(m.pass_rate),
+                percent_range(m.pass_rate_ci),
+                unmeasured,
+            )
+        )
+    return table(wide, right=frozenset({1, 4}))
+
+
+def trial_lines(trials: TrialSummary) -> list[str]:
+    """pass@1 and pass@k (with intervals and the unbiased pass@k per k when present), then the
+    flaky cases."""
+    first = f"pass@k    pass@1 {number(trials.pass_at_1)}"
+    if trials.pass_at_1_ci is not None:
+        first += f" [{number_range(trials.pass_at_1_ci)}]"
+    first += f", pass@{trials.k} {number(trials.pass_at_k)}"
+    if trials.pass_at_k_ci is not None:
+        first += f" [{number_range(trials.pass_at_k_ci)}]"
+    if trials.cases:
+        first += f" over {trials.cases} cases"
+    lines = [first]
+    if trials.pass_at:
+        estimates = ", ".join(f"pass@{p.k} {number(p.value)} [{number_range(p.ci)}]" for p in trials.pass_at)
+        lines.append(f"          unbiased: {estimates}")
+    if trials.flaky:
+        names = ", ".join(trials.flaky_cases[:MAX_FLAKY_SHOWN])
+        more = trials.flaky - min(len(trials.flaky_cases), MAX_FLAKY_SHOWN)
+        lines.append(
+            f"flaky     {trials.flaky} of {trials.cases} cases passed and failed across trials: {names}"
+            + (f" … and {more} more" if more > 0 else "")
+        )
+    return lines
 
 
 def export_url(view: BatchView, runs: Sequence[RunView]) -> str | None:
@@ -124,13 +180,13 @@ def render_scorecard(view: BatchView, runs: Sequence[RunView], expected: Mapping
     head += f"  status {view.status}"
     lines = [head, "", *metric_lines(summary), ""]
     v = summary.verdicts
-    lines.append(
-        f"verdicts  {v.passed} passed, {v.failed} failed, {v.no_verdict} without a verdict"
-        + (f" (pass rate {percent(v.pass_rate)})" if v.pass_rate is not None else "")
-    )
+    rate = ""
+    if v.pass_rate is not None:
+        ci = f", 95% CI {percent_range(v.pass_rate_ci)}" if v.pass_rate_ci is not None else ""
+        rate = f" (pass rate {percent(v.pass_rate)}{ci})"
+    lines.append(f"verdicts  {v.passed} passed, {v.failed} failed, {v.no_verdict} without a verdict{rate}")
     if summary.trials is not None:
-        t = summary.trials
-        lines.append(f"pass@k    pass@1 {number(t.pass_at_1)}, pass@{t.k} {number(t.pass_at_k)}")
+        lines += trial_lines(summary.trials)
     export = view.export
     if export is not None:
         text = f"export    {export.status}"

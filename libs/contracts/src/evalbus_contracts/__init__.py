@@ -82,10 +82,13 @@ from evalbus_contracts.specs import (
 )
 from evalbus_contracts.streams import CONSUMERS, STREAMS, ConsumerDef, StreamDef
 from evalbus_contracts.summary import (
+    FLAKY_CASES_LISTED,
     BatchError,
     BatchSummary,
     ExportSummary,
+    Interval,
     MetricSummary,
+    PassAtK,
     SinkOutcome,
     StageCounts,
     TrialSummary,
@@ -109,6 +112,7 @@ from evalbus_contracts.trace import (
 __all__ = [
     "CONSUMERS",
     "EVENT_TYPES",
+    "FLAKY_CASES_LISTED",
     "STREAMS",
     "AnswerMatchGrader",
     "Artifact",
@@ -149,6 +153,7 @@ __all__ = [
     "HarnessSpec",
     "Infra",
     "InfraMark",
+    "Interval",
     "Invalid",
     "InvalidIdError",
     "JsonSchemaJudge",
@@ -172,6 +177,7 @@ __all__ = [
     "OnlineSuiteSpec",
     "OnlineTarget",
     "OsUseSnapshot",
+    "PassAtK",
     "Placement",
     "PlatformSink",
     "PromptSnapshot",

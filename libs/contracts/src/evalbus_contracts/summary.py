@@ -1,4 +1,7 @@
-"""Aggregates a finalised batch carries: per-metric summaries, verdict counts, pass@k, export status."""
+"""Aggregates a finalised batch carries: per-metric summaries, verdict counts, pass@k, export status.
+
+Every mean and rate carries its 95 % interval (`Interval`) with the n it was computed from.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +12,24 @@ import msgspec
 
 class _Data(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     pass
+
+
+IntervalMethod = Literal["wilson", "bootstrap", "normal"]
+"""How an interval was computed: the Wilson score interval (a proportion), a seeded percentile
+bootstrap of the mean, or the normal approximation (large samples)."""
+
+
+class Interval(_Data, frozen=True, kw_only=True):
+    """A 95 % confidence interval."""
+
+    low: float
+    """Lower bound."""
+    high: float
+    """Upper bound."""
+    n: int
+    """Observations it was computed from."""
+    method: IntervalMethod
+    """How it was computed."""
 
 
 class MetricSummary(_Data, frozen=True, kw_only=True):
@@ -24,6 +45,10 @@ class MetricSummary(_Data, frozen=True, kw_only=True):
     """Passes over scores that carry pass/fail."""
     unmeasured: dict[str, int] = msgspec.field(default_factory=dict)
     """Unmeasured and invalid scores by reason."""
+    mean_ci: Interval | None = None
+    """95 % interval of the mean (n = count)."""
+    pass_rate_ci: Interval | None = None
+    """95 % Wilson interval of the pass rate (n = scores that carry pass/fail)."""
 
 
 class VerdictSummary(_Data, frozen=True, kw_only=True):
@@ -39,10 +64,23 @@ class VerdictSummary(_Data, frozen=True, kw_only=True):
     """Cases without a verdict (infrastructure failure, cancelled, nothing decisive)."""
     pass_rate: float | None = None
     """passed / verdicted."""
+    pass_rate_ci: Interval | None = None
+    """95 % Wilson interval of the pass rate (n = verdicted)."""
+
+
+class PassAtK(_Data, frozen=True, kw_only=True):
+    """The unbiased pass@k estimate over cases (Chen et al. 2021)."""
+
+    k: int
+    """Trials drawn."""
+    value: float
+    """Mean over cases of 1 − C(n−c, k) / C(n, k) (n trials of the case, c of them passed)."""
+    ci: Interval
+    """95 % interval (n = cases with at least k counted trials)."""
 
 
 class TrialSummary(_Data, frozen=True, kw_only=True):
-    """pass@1 and pass@k over cases with trials."""
+    """pass@1 and pass@k over cases with trials, and the flaky cases."""
 
     k: int
     """Trials per case."""
@@ -50,6 +88,23 @@ class TrialSummary(_Data, frozen=True, kw_only=True):
     """Mean per-case fraction of passing trials."""
     pass_at_k: float | None = None
     """Fraction of cases with at least one passing trial."""
+    cases: int = 0
+    """Cases with at least one counted trial (cancelled trials are not counted)."""
+    pass_at_1_ci: Interval | None = None
+    """95 % interval of pass@1 (n = cases)."""
+    pass_at_k_ci: Interval | None = None
+    """95 % Wilson interval of pass@k (n = cases)."""
+    pass_at: tuple[PassAtK, ...] = ()
+    """The unbiased pass@k for every k up to 10 trials (beyond: 1, 2, 5, 10, 20, 50, 100 below the
+    trial count, and the trial count), each over the cases with at least k counted trials."""
+    flaky: int = 0
+    """Cases that both passed and failed across their trials."""
+    flaky_cases: tuple[str, ...] = ()
+    """Their ids, sorted (the first `FLAKY_CASES_LISTED`)."""
+
+
+FLAKY_CASES_LISTED = 200
+"""Flaky case ids a summary lists by name (the count is always whole)."""
 
 
 class StageCounts(_Data, frozen=True, kw_only=True):

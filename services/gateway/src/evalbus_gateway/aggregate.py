@@ -5,7 +5,10 @@ their mean (None when there are none), the pass rate over measured scores that c
 and a tally of non-measurements by reason (`invalid` counts as `contract_violation`). Cancelled
 runs and runs without an outcome (not executed yet) are left out of the metrics. Verdicts come from
 the authority ladder in `verdict`; with trials, pass@1 is the mean per-case fraction of passing
-trials and pass@k the fraction of cases with at least one passing trial.
+trials and pass@k the fraction of cases with at least one passing trial, and the unbiased pass@k
+estimator is reported for every k up to the trial count. Every mean and rate carries its 95 %
+interval (`evalbus_grading.stats`: Wilson for proportions, a seeded bootstrap otherwise), and the
+cases that both passed and failed across their trials are listed as flaky.
 
 `build_finalized` turns all of it into the `batch.finalized` event; the store's
 `finalize_batch` reads the runs and calls it.
@@ -21,14 +24,17 @@ from typing import Literal
 import msgspec
 
 from evalbus_contracts import (
+    FLAKY_CASES_LISTED,
     BatchError,
     BatchFinalized,
     BatchSummary,
     CaseFailure,
     ExportSummary,
+    Interval,
     Invalid,
     Measured,
     MetricSummary,
+    PassAtK,
     Score,
     SinkOutcome,
     StageCounts,
@@ -36,6 +42,7 @@ from evalbus_contracts import (
     Unmeasured,
     VerdictSummary,
 )
+from evalbus_grading.stats import mean_interval, pass_at_k, wilson
 from evalbus_grading.verdict import Verdict, decide
 
 ExecutedStatus = Literal["succeeded", "failed", "cancelled"]
@@ -126,7 +133,22 @@ class _MetricAcc:
             mean=math.fsum(self.values) / self.count if self.count else None,
             pass_rate=self.passed / self.with_pass if self.with_pass else None,
             unmeasured=dict(sorted(self.unmeasured.items())),
+            # sorted: the bootstrap then does not depend on the order cases finished in either
+            mean_ci=mean_ci(sorted(self.values), metric) if self.count else None,
+            pass_rate_ci=proportion_ci(self.passed, self.with_pass) if self.with_pass else None,
         )
+
+
+def proportion_ci(successes: int, n: int) -> Interval:
+    """The Wilson interval of a proportion (n > 0)."""
+    low, high = wilson(successes, n)
+    return Interval(low=low, high=high, n=n, method="wilson")
+
+
+def mean_ci(values: Sequence[float], seed: str) -> Interval:
+    """The interval of a mean (Wilson for 0/1 values, else bootstrap or normal), seeded by `seed`."""
+    low, high, method = mean_interval(values, seed)
+    return Interval(low=low, high=high, n=len(values), method=method)
 
 
 def metric_summaries(runs: Iterable[RunOutcome]) -> tuple[MetricSummary, ...]:
@@ -151,22 +173,52 @@ def verdict_summary(verdicts: Sequence[Verdict]) -> VerdictSummary:
         failed=failed,
         no_verdict=len(verdicts) - verdicted,
         pass_rate=passed / verdicted if verdicted else None,
+        pass_rate_ci=proportion_ci(passed, verdicted) if verdicted else None,
     )
 
 
+def pass_at_ks(trials: int) -> tuple[int, ...]:
+    """The k values pass@k is reported for: every k up to 10 trials, else 1, 2, 5, 10, 20, 50,
+    100 below the trial count, and the trial count."""
+    if trials <= 10:
+        return tuple(range(1, trials + 1))
+    return tuple(sorted({k for k in (1, 2, 5, 10, 20, 50, 100) if k < trials} | {trials}))
+
+
 def trial_summary(runs: Sequence[RunOutcome], verdicts: Sequence[Verdict], k: int) -> TrialSummary:
-    """pass@1 and pass@k over cases; cancelled trials are left out, a trial without a verdict fails."""
+    """pass@1 and pass@k over cases with their intervals, the unbiased pass@k for each k of
+    `pass_at_ks`, and the flaky cases (a `pass` and a `fail` verdict among their trials).
+    Cancelled trials are left out; a trial without a verdict fails."""
     per_case: dict[str, list[bool]] = defaultdict(list)
+    outcomes: dict[str, set[str]] = defaultdict(set)
     for run, verdict in zip(runs, verdicts, strict=True):
         if run.cancelled:
             continue
         per_case[run.case_id].append(verdict.outcome == "pass")
-    cases = [trials for trials in per_case.values() if trials]
+        if verdict.outcome is not None:
+            outcomes[run.case_id].add(verdict.outcome)
+    flaky = {case for case, seen in outcomes.items() if len(seen) == 2}
+    cases = [per_case[case] for case in sorted(per_case) if per_case[case]]
     if not cases:
         return TrialSummary(k=k)
-    pass_at_1 = sum(sum(t) / len(t) for t in cases) / len(cases)
-    pass_at_k = sum(1 for t in cases if any(t)) / len(cases)
-    return TrialSummary(k=k, pass_at_1=pass_at_1, pass_at_k=pass_at_k)
+    fractions = [sum(t) / len(t) for t in cases]
+    any_pass = sum(1 for t in cases if any(t))
+    estimates = []
+    for draw in pass_at_ks(k):
+        values = [pass_at_k(len(t), sum(t), draw) for t in cases if len(t) >= draw]
+        if values:
+            estimates.append(PassAtK(k=draw, value=math.fsum(values) / len(values), ci=mean_ci(values, f"pass@{draw}")))
+    return TrialSummary(
+        k=k,
+        pass_at_1=math.fsum(fractions) / len(cases),
+        pass_at_k=any_pass / len(cases),
+        cases=len(cases),
+        pass_at_1_ci=mean_ci(fractions, "pass@1"),
+        pass_at_k_ci=proportion_ci(any_pass, len(cases)),
+        pass_at=tuple(estimates),
+        flaky=len(flaky),
+        flaky_cases=tuple(sorted(flaky)[:FLAKY_CASES_LISTED]),
+    )
 
 
 def stage_counts(runs: Iterable[RunOutcome]) -> StageCounts:

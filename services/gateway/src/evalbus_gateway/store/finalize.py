@@ -2,11 +2,12 @@
 
 The I/O edge of `evalbus_gateway.aggregate`: it reads the batch's spec (trials, sinks, each case's
 objective grader metrics), its cancel reason and its runs, and hands them to the pure
-`build_finalized`.
+`build_finalized` (run in a worker thread).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 from evalbus_contracts import BatchFinalized, BatchSpec, CaseFailure, Score, SinkOutcome, decode
@@ -58,7 +59,10 @@ async def finalize_batch(db: Database, batch_id: str) -> BatchFinalized:
     spec = decode(str(batch["spec"]), BatchSpec)
     objective = {case.id: objective_metrics_of(case.graders) for case in spec.suite.cases}
     runs = [run_outcome(r, objective) for r in rows]
-    return build_finalized(
+    # In a thread: the bootstrap intervals of a large batch take a moment of CPU, which the event
+    # loop (recording, serving) should not wait for.
+    return await asyncio.to_thread(
+        build_finalized,
         batch_id,
         runs,
         trials=batch["trials"],
