@@ -1,6 +1,8 @@
 """The statistics of scorecards and comparisons (pure, standard library only).
 
 - `wilson`: the Wilson score interval of a proportion (Wilson 1927; Newcombe 1998, method 3).
+- `difference_interval`: the paired bootstrap interval of a mean difference (normal beyond
+  `BOOTSTRAP_MAX_N` pairs).
 - `mean_interval`: the 95 % interval of a mean — Wilson when every value is 0 or 1 (a proportion),
   a seeded percentile bootstrap up to `BOOTSTRAP_MAX_N` values, the normal approximation beyond
   (where the bootstrap and it agree and the bootstrap would only cost time).
@@ -110,6 +112,16 @@ def mean_interval(values: Sequence[float], seed: str) -> tuple[float, float, Int
         low, high = bootstrap_interval(values, seed)
         return low, high, "bootstrap"
     low, high = normal_interval(values)
+    return low, high, "normal"
+
+
+def difference_interval(differences: Sequence[float], seed: str) -> tuple[float, float, IntervalMethod]:
+    """The 95 % interval of the mean of paired differences: a seeded percentile bootstrap over the
+    pairs up to `BOOTSTRAP_MAX_N` of them, the normal approximation beyond."""
+    if len(differences) <= BOOTSTRAP_MAX_N:
+        low, high = bootstrap_interval(differences, f"delta:{seed}")
+        return low, high, "bootstrap"
+    low, high = normal_interval(differences)
     return low, high, "normal"
 
 
