@@ -63,6 +63,7 @@ def test_a_designed_regression_is_significant_and_its_cases_are_listed() -> None
     assert verdicts.delta == pytest.approx(-8 / 12)
     assert verdicts.ci_low is not None
     assert verdicts.ci_high is not None
+    assert verdicts.delta is not None
     assert verdicts.ci_low <= verdicts.delta <= verdicts.ci_high < 0
     assert verdicts.p_value == pytest.approx(mcnemar_exact(8, 0))
     assert verdicts.significant
