@@ -14,9 +14,11 @@ import json
 import re
 import subprocess
 import sys
+import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -406,3 +408,58 @@ async def test_the_online_and_dlq_commands(pipeline: Pipeline, tmp_path: Path) -
     assert len(stored) == 2  # the original and one redrive
     nothing = await asyncio.to_thread(evalbus, "dlq", "redrive", *nats_args)
     assert nothing.returncode == 2
+
+
+async def test_a_rate_cap_and_a_delay_hold_for_a_suite(pipeline: Pipeline) -> None:
+    """A suite capped at 3 observations a minute and deciding 1 s after receipt: of 8 traces, per
+    clock minute (the collector's, as the fates carry it) exactly min(3, decided that minute) are
+    sampled and judged, the rest skipped `over_rate_cap`; and none is decided before its delay."""
+    p = pipeline
+    suite_id = f"cap-{uuid.uuid4().hex[:6]}"
+    status, applied = await api(
+        p,
+        "POST",
+        "/v1/online/suites",
+        {
+            "id": suite_id,
+            "target": {"service": "capped-bot"},
+            "sample_ratio": 1.0,
+            "rate_per_min": 3,
+            "delay_s": 1.0,
+            "judges": [{"kind": "regex", "id": "polite", "pattern": "(?i)thank"}],
+        },
+    )
+    assert status == 201, applied
+    # the collector learns suites from the stream: wait until it samples for this one
+    probe = application(p.stack.otlp_url, "capped-bot")
+    probe_trace = await asyncio.to_thread(serve_request, probe, "ping", "Thanks")
+
+    async def known() -> bool:
+        _, answer = await api(p, "GET", f"/v1/online/observations/{probe_trace}")
+        return any(f["suite_id"] == suite_id for f in answer["fates"])
+
+    await eventually(known, timeout_s=60, what="the collector to know the suite", diagnostics=p.diagnostics)
+    sent_at = time.time()
+    traces = [await asyncio.to_thread(serve_request, probe, f"q{i}", f"Thank you {i}") for i in range(8)]
+    probe.shutdown()
+    everything = [probe_trace, *traces]
+
+    async def all_decided() -> bool:
+        _, stats = await api(p, "GET", f"/v1/online/stats?suite={suite_id}")
+        return sum(int(c["count"]) for c in stats["counts"] if c["fate"] in ("sampled", "skipped")) == len(everything)
+
+    await eventually(all_decided, timeout_s=90, what="every trace decided", diagnostics=p.diagnostics)
+    await p.quiescent(timeout_s=60)
+    per_minute: dict[int, Counter[str]] = {}
+    for trace_id in everything:
+        _, answer = await api(p, "GET", f"/v1/online/observations/{trace_id}")
+        [decided] = [f for f in answer["fates"] if f["suite_id"] == suite_id and f["fate"] in ("sampled", "skipped")]
+        at = datetime.fromisoformat(decided["at"]).timestamp()
+        if trace_id != probe_trace:
+            assert at >= sent_at + 1.0, "decided before the suite's delay"
+        per_minute.setdefault(int(at // 60), Counter())[decided["reason"]] += 1
+    for minute, reasons in per_minute.items():
+        decided_n = reasons["sampled"] + reasons["over_rate_cap"]
+        assert reasons["sampled"] == min(3, decided_n), (minute, reasons)
+    sampled = sum(r["sampled"] for r in per_minute.values())
+    assert await judged(p, suite_id) == sampled

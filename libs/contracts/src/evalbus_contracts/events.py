@@ -393,6 +393,7 @@ FateReason = Literal[
     "not_target",
     "filtered",
     "not_sampled",
+    "over_rate_cap",
     "invalid_trace_id",
     "too_large",
     "late_spans",
@@ -402,7 +403,8 @@ FateReason = Literal[
 ]
 """Why: `sampled` / `judged` for those fates; skipped: `no_suite` (no online suite is defined),
 `not_target` (the suite's service / agent / workflow differs), `filtered` (an attribute differs),
-`not_sampled` (outside the suite's ratio); dropped: `invalid_trace_id`, `too_large`; late:
+`not_sampled` (outside the suite's ratio), `over_rate_cap` (the suite's `rate_per_min` was
+reached this minute); dropped: `invalid_trace_id`, `too_large`; late:
 `late_spans` (spans arrived after the trace was assembled; they are not judged);
 dead_lettered: `max_deliver` (a service gave up on it after its deliveries) or `poison` (a service
 could not read it)."""

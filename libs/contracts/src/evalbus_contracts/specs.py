@@ -407,3 +407,9 @@ class OnlineSuiteSpec(_Spec, frozen=True, kw_only=True):
     """Judges applied to each sampled observation, in order (the kinds of batches)."""
     description: str | None = None
     """Free text."""
+    rate_per_min: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """At most this many observations sampled per UTC clock minute, counted across every collector
+    replica; the others get the fate `skipped`, reason `over_rate_cap` (None: no cap)."""
+    delay_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 0.0
+    """Decide (and judge) an observation only this long after it was received: time for late
+    feedback or late spans (0: at once)."""

@@ -17,12 +17,13 @@ import msgspec
 from evalbus_collector.online.assembly import PendingTrace, TraceAssembler
 from evalbus_collector.online.decide import dead_letter_fate, decide
 from evalbus_collector.online.observation import observation_of
+from evalbus_collector.online.rates import RateCaps, RateCapUnavailableError
 from evalbus_collector.online.receiver import OtlpReceiver, ReceiverMetrics
 from evalbus_collector.online.suites import SuiteRegistry
-from evalbus_contracts import DeadLetter, ObservationFate, ObservationReceived, ObservationSpans, encode
+from evalbus_contracts import DeadLetter, ObservationFate, ObservationReceived, ObservationSpans, encode, utcnow
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import COLLECTOR_DEAD_LETTERS, COLLECTOR_OBSERVATIONS, COLLECTOR_SPANS
-from evalbus_runtime import Delivery, Service, Stage
+from evalbus_runtime import Delivery, Retry, Service, Stage
 
 log = logging.getLogger("evalbus.collector.online")
 
@@ -60,6 +61,7 @@ class OnlineIngest:
         self._service = service
         self._settings = settings
         self.suites = SuiteRegistry()
+        self.rates = RateCaps()
         self.assembler = TraceAssembler(settle_s=settings.settle_s, max_wait_s=settings.max_wait_s)
         self._metrics = ReceiverMetrics(service.metrics.registry)
         self.receiver: OtlpReceiver | None = None
@@ -92,6 +94,7 @@ class OnlineIngest:
         )
 
     async def _start(self, service: Service) -> None:
+        await self.rates.start(service.js)
         await self.suites.start(service.js)
         self._ticker = asyncio.create_task(self.assembler.run_ticker(), name="trace-assembly")
         s = self._settings
@@ -173,15 +176,40 @@ class OnlineIngest:
         return []
 
     async def on_observation(self, obs: ObservationReceived, _: Delivery) -> Sequence[EventBase]:
-        """Decide an observation's fate for every suite; `case.observed` for each that samples it."""
-        decision = decide(obs, self.suites.suites)
-        return [*decision.fates, *decision.observed]
+        """Decide an observation's fate for every suite; `case.observed` for each that samples it
+        (within its rate cap), once the longest delay of the suites that sample it has passed."""
+        suites = {s.id: s for s in self.suites.suites}
+        decision = decide(obs, suites.values())
+        sampled = [suites[o.suite_id] for o in decision.observed if o.suite_id in suites]
+        wait = max((s.delay_s for s in sampled), default=0.0) - (utcnow() - obs.ts).total_seconds()
+        if wait > 0:
+            raise Retry(f"online suite delay: deciding in {wait:.1f} s", delay_s=wait)
+        capped: set[str] = set()
+        for suite in sampled:
+            if suite.rate_per_min is None:
+                continue
+            try:
+                if not await self.rates.take(suite.id, suite.rate_per_min):
+                    capped.add(suite.id)
+            except RateCapUnavailableError as e:
+                raise Retry(f"rate counter unavailable: {e}") from e
+        return [*apply_caps(decision.fates, capped), *(o for o in decision.observed if o.suite_id not in capped)]
 
     async def on_dead_letter(self, letter: DeadLetter, _: Delivery) -> Sequence[EventBase]:
         """An observation some service gave up on gets the fate `dead_lettered`; other letters are
         only acknowledged (they stay in the DLQ for `evalbus dlq`)."""
         fate = dead_letter_fate(letter)
         return [] if fate is None else [fate]
+
+
+def apply_caps(fates: Sequence[ObservationFate], capped: set[str]) -> list[ObservationFate]:
+    """The fates with `sampled` turned into `skipped: over_rate_cap` for the capped suites."""
+    return [
+        msgspec.structs.replace(f, fate="skipped", reason="over_rate_cap", detail="the suite's rate_per_min is reached")
+        if f.suite_id in capped and f.fate == "sampled"
+        else f
+        for f in fates
+    ]
 
 
 def _retrieve(future: asyncio.Future[None]) -> None:
