@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import time
@@ -328,6 +329,7 @@ async def crash_dispatcher(p: Pipeline, run: CrashRun, gates: Gates, batch_id: s
     orphans = [int(gates.started(c).read_text()) for c in (HELD_CASE, "c06")]
     run.ack_pending_at_kill = await ack_pending(p, DISPATCHER_CASES)
     await p.kill("dispatcher")
+    run.evidence["killed_at"] = time.monotonic()
     await p.start("dispatcher")
     # The killed dispatcher's sandboxes: do they outlive it? (Checked by a test of its own.)
     with contextlib.suppress(AssertionError):
@@ -342,6 +344,7 @@ async def crash_judge(p: Pipeline, run: CrashRun, gates: Gates, batch_id: str, o
     await wait_path(waiting_marker(gates.judge, batch_run_id(batch_id, HELD_CASE)), timeout_s=60)
     run.ack_pending_at_kill = await ack_pending(p, JUDGE_CASES)
     await p.kill("judge")
+    run.evidence["killed_at"] = time.monotonic()
     await p.start("judge")
     gates.judge.touch()
 
@@ -354,6 +357,7 @@ async def crash_exporter(p: Pipeline, run: CrashRun, gates: Gates, batch_id: str
     await eventually(lambda: held_run in otlp.held, timeout_s=60, what=f"the export of {held_run} to be held")
     run.ack_pending_at_kill = await ack_pending(p, EXPORTER_CASES)
     await p.kill("exporter")
+    run.evidence["killed_at"] = time.monotonic()
     await p.start("exporter")
     otlp.holds[held_run].set()
 
@@ -387,6 +391,7 @@ async def crash_gateway(p: Pipeline, run: CrashRun, gates: Gates, batch_id: str,
         await eventually(recorder_in_flight, timeout_s=30, what="recorder messages in flight")
         run.ack_pending_at_kill = await ack_pending(p, GATEWAY_RECORDER)
         await p.kill("gateway")
+        run.evidence["killed_at"] = time.monotonic()
     finally:
         await lock.close()  # ends the session: its advisory lock is released
     await p.start("gateway")
@@ -492,6 +497,7 @@ async def run_scenario(target: str, pg_admin_url: str, root: Path, otlp: OtlpRec
                 otlp.holds[batch_run_id(batch_id, HELD_CASE)] = asyncio.Event()
             await SCENARIOS[target](p, run, gates, batch_id, otlp)
             run.crashed = await batch_facts(p, batch_id)
+            run.evidence["recovered_s"] = time.monotonic() - run.evidence.get("killed_at", time.monotonic())
             run.evidence["sandboxes_left"] = sorted(d.name for d in sandboxes.iterdir())
             run.evidence["otlp_exports"] = {r: n for r, n in otlp.exports.items() if batch_id in r}
             stream = await p.stream_events(batch_id)
@@ -518,9 +524,57 @@ async def crash_runs(pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory
         results = await asyncio.gather(
             *(run_scenario(t, pg_admin_url, root / t, otlp) for t in TARGETS), return_exceptions=True
         )
-        yield dict(zip(TARGETS, results, strict=True))
+        outcomes = dict(zip(TARGETS, results, strict=True))
+        report = os.environ.get(REPORT_ENV)
+        if report:
+            await asyncio.to_thread(Path(report).write_text, json.dumps(reliability_rows(outcomes), indent=2))
+        yield outcomes
     finally:
         await otlp.stop()
+
+
+REPORT_ENV = "EVALBUS_RELIABILITY_REPORT"
+"""When set, the module writes its scenarios' figures there as JSON (`bench/reliability.py`)."""
+
+
+def lost_and_duplicated(facts: BatchFacts) -> tuple[int, int]:
+    """Stage events missing from the store, and copies beyond one (stream, store, refused)."""
+    runs = {batch_run_id(facts.batch_id, c) for c in CASE_IDS}
+    want: Counter[tuple[str | None, str]] = Counter({(r, kind): 1 for r in runs for kind in STAGE_TYPES})
+    store = Counter({k: n for k, n in facts.store_counts.items() if k[0] in runs})
+    stream = Counter({k: n for k, n in facts.stream_counts.items() if k[0] in runs})
+    lost = sum((want - store).values())
+    duplicated = sum((store - want).values()) + sum((stream - want).values()) + len(facts.rejections)
+    return lost, duplicated
+
+
+def reliability_rows(outcomes: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per window of every scenario (or its error)."""
+    rows: list[dict[str, Any]] = []
+    for target, run in outcomes.items():
+        if not isinstance(run, CrashRun):
+            rows.append({"test": f"SIGKILL {target}", "error": f"{type(run).__name__}: {run}"})
+            continue
+        windows: list[tuple[str, BatchFacts | None, float | None]] = [
+            ("mid-message (output not published)", run.crashed, run.evidence.get("recovered_s")),
+            *((f"after PubAck, before ack ({w.fault.split(':')[1]})", w.facts, w.recovered_s) for w in run.after_ack),
+        ]
+        for window, facts, stall in windows:
+            if facts is None:
+                continue
+            lost, duplicated = lost_and_duplicated(facts)
+            rows.append(
+                {
+                    "test": f"SIGKILL {target}: {window}",
+                    "load": f"{len(CASE_IDS)} cases, 4 stages",
+                    "faults": 1,
+                    "lost": lost,
+                    "duplicated": duplicated,
+                    "max_stall_s": None if stall is None else round(stall, 2),
+                    "passed": lost == 0 and duplicated == 0 and facts.view.status == "succeeded",
+                }
+            )
+    return rows
 
 
 def outcome(crash_runs: dict[str, Any], target: str) -> CrashRun:

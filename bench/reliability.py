@@ -1,0 +1,117 @@
+"""Reliability suite: every fault scenario that exists today, run through the real services, and one
+table — test, load, faults injected, cases lost, cases duplicated, max stall, pass/fail.
+
+It runs the crash module (`tests/test_pipeline_crash.py`: each of the dispatcher, judge, exporter
+and gateway SIGKILLed mid-message and, by a deterministic fault point, after its output's PubAck
+and before its ack; the dispatcher also after its fan-out), which writes its figures to a JSON
+report when `EVALBUS_RELIABILITY_REPORT` names one, and the online collector's crash tests
+(`tests/test_online_pipeline.py`, spans and sampling stages), then prints the table. The stall is
+the time from the kill until every consumer is idle again (the held message redelivered after the
+services' `ACK_WAIT_S`, 10 s there, and done). Goals: 0 lost, 0 duplicated, every scenario passed.
+
+    .venv/bin/python bench/reliability.py [--check] [--json]
+
+The fast parts of the issue's suite run in CI as those tests; a soak is a separate recipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._goals import add_check_flag, goal, goal_notes, verdict  # noqa: E402 - after the path fix
+from bench._report import report  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ONLINE_CRASH = "tests/test_online_pipeline.py::test_collector_killed_mid_stream_loses_and_doubles_nothing"
+
+
+def run_pytest(target: str, env: dict[str, str]) -> tuple[int, float, str]:
+    """Exit code, seconds and the last lines of `pytest target`."""
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", target, "-q", "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-3:])
+    return done.returncode, time.monotonic() - began, tail
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    add_check_flag(parser)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        report_path = Path(tmp) / "crash.json"
+        env = {**os.environ, "EVALBUS_RELIABILITY_REPORT": str(report_path)}
+        crash_code, crash_s, crash_tail = run_pytest("tests/test_pipeline_crash.py", env)
+        rows: list[dict[str, Any]] = json.loads(report_path.read_text()) if report_path.exists() else []
+    online_code, online_s, online_tail = run_pytest(ONLINE_CRASH, dict(os.environ))
+    rows.append(
+        {
+            "test": "SIGKILL collector (online): after storing its output, spans and sampling stages",
+            "load": "8 traces, 2 kills",
+            "faults": 2,
+            "lost": 0 if online_code == 0 else None,
+            "duplicated": 0 if online_code == 0 else None,
+            "max_stall_s": None,
+            "passed": online_code == 0,
+        }
+    )
+    lost = sum(r.get("lost") or 0 for r in rows if r.get("lost") is not None)
+    duplicated = sum(r.get("duplicated") or 0 for r in rows if r.get("duplicated") is not None)
+    stalls = [float(r["max_stall_s"]) for r in rows if r.get("max_stall_s") is not None]
+    goals = [
+        goal("cases lost", float(lost), "==", 0, "every scenario"),
+        goal("cases duplicated", float(duplicated), "==", 0, "every scenario"),
+        goal("scenarios passed", float(sum(bool(r.get("passed")) for r in rows)), "==", float(len(rows)), "all"),
+        goal("crash tests' exit code", float(crash_code), "==", 0, "pytest tests/test_pipeline_crash.py"),
+    ]
+    out: dict[str, Any] = {
+        "benchmark": "reliability",
+        "rows": rows,
+        "max_stall_s": max(stalls) if stalls else None,
+        "seconds": {"crash_module": crash_s, "online_crash": online_s},
+        "goals": goals,
+        "ok": all(g.passed for g in goals),
+    }
+    table = [("test", "load", "faults", "lost", "duplicated", "max stall s", "result")]
+    for r in rows:
+        if "error" in r:
+            table.append((r["test"], "-", "-", "-", "-", "-", f"ERROR {r['error'][:60]}"))
+            continue
+        stall = "-" if r.get("max_stall_s") is None else f"{r['max_stall_s']:.1f}"
+        table.append(
+            (
+                r["test"],
+                str(r["load"]),
+                str(r["faults"]),
+                str(r["lost"]),
+                str(r["duplicated"]),
+                stall,
+                "pass" if r["passed"] else "FAIL",
+            )
+        )
+    notes = [*goal_notes(goals), f"crash module: {crash_tail.splitlines()[-1] if crash_tail else '?'}"]
+    notes.append(f"online crash: {online_tail.splitlines()[-1] if online_tail else '?'}")
+    report(out, table, notes, args.json)
+    return verdict("reliability", goals, check=args.check)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
