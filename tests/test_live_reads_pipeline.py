@@ -130,7 +130,7 @@ async def test_a_running_run_is_watched_live_across_replicas_without_loss_or_rep
     # The live trace, mid-run, is the same on both replicas: marks, then the printed events.
     traces = [await gw.live_trace(run_id) for gw in gateways.values()]
     assert traces[0] == traces[1]
-    assert [e.event for e in traces[0].events if isinstance(e, Infra)] == ["accepted", "started"]
+    assert [e.event for e in traces[0].events if isinstance(e, Infra)] == ["accepted", "started", "placed"]
     assert [e.id for e in traces[0].events if isinstance(e, ToolCall)] == [f"call-{i}" for i in range(4)]
     trace_frames: list[SseEvent] = []
     trace_stream = replica.follow_run(run_id, "trajectory/live", reconnects=0)
@@ -153,7 +153,13 @@ async def test_a_running_run_is_watched_live_across_replicas_without_loss_or_rep
     await read_until(rest, trace_frames, lambda: trace_frames[-1].event == "end")
     await rest.aclose()
     kinds = [msgspec.json.decode(f.data) for f in trace_frames if f.event == "trace"]
-    assert [k.get("event") for k in kinds if k["kind"] == "infra"] == ["accepted", "started", "released"]
+    assert [k.get("event") for k in kinds if k["kind"] == "infra"] == [
+        "accepted",
+        "started",
+        "placed",
+        "exited",
+        "released",
+    ]
     assert [k["id"] for k in kinds if k["kind"] == "tool_call"] == [f"call-{i}" for i in range(6)]
 
     # The buffered result contract is unchanged: the sealed run has the answer and every event.

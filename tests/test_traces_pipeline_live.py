@@ -534,7 +534,7 @@ async def test_job_mode_pulls_after_release(
     assert executed.deferred_graders == ()
     assert_agent_trace(result.trace)
     assert_observations_measured(result)
-    assert marks(result) == ["accepted", "started", "released"]
+    assert marks(result) == ["accepted", "started", "placed", "exited", "released"]
 
     # The pull happened after the release and before the event was built.
     pulls = proxy.pulls_for(result.run_id)
@@ -594,7 +594,7 @@ async def test_control_plane_completion_through_the_collector(
     last = [e for e in collected.result.trace if isinstance(e, Message)][-1]
     assert (last.role, last.text) == ("assistant", ANSWER)  # appended by the collector
     assert last.t >= max(e.t for e in collected.result.trace if not isinstance(e, Message))
-    assert marks(collected.result) == ["accepted", "started", "released"]
+    assert marks(collected.result) == ["accepted", "started", "placed", "exited", "released"]
 
     # The judge consumed case.collected: its result is the completed one, plus the judge's score.
     judged = log.one(CaseJudged)

@@ -4,7 +4,9 @@ The input is a JSON object: `phases`, a list of `{"stdout": [...], "stderr": [..
 "ready": path, "go": path}`, run in order. Each phase writes its stdout lines (flushing each),
 its stderr lines, `n` tool-call trace events (`EVALBUS_EVENT` lines), then creates `ready` and
 waits until `go` exists (30 s, else exit 3) — so a test reads the live views of a run that is
-still running, between phases. After the last phase: `answer` as an `EVALBUS_RESULT` line.
+still running, between phases. After the last phase: `answer` as an `EVALBUS_RESULT` line, then
+exit with `exit_code` (default 0). `cwd_file`, when given, gets the agent's working directory
+first (a test checks the sandbox is gone afterwards).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ POLL_S = 0.02
 
 def main() -> int:
     task = json.loads(sys.stdin.read())
+    if "cwd_file" in task:
+        Path(task["cwd_file"]).write_text(os.getcwd())
     calls = 0
     for phase in task.get("phases", []):
         for line in phase.get("stdout", []):
@@ -42,7 +46,7 @@ def main() -> int:
                     return 3
                 time.sleep(POLL_S)
     print("EVALBUS_RESULT " + json.dumps({"answer": task.get("answer", "")}), flush=True)
-    return 0
+    return int(task.get("exit_code", 0))
 
 
 if __name__ == "__main__":

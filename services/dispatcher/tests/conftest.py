@@ -19,6 +19,7 @@ from evalbus_contracts import (
     CommandHarness,
     GraderSpec,
     Infra,
+    PlacementSample,
     TraceEvent,
     TraceSpec,
     batch_run_id,
@@ -30,7 +31,7 @@ SECRET_VALUE = "s3cr3t-VALUE-9f2c7e1d"
 """The value behind the secret name `api-key` in the test secret store."""
 
 LiveRecord = tuple[str, Any]
-"""("log", (stream, text)) | ("trace", [events]) | ("infra", mark)."""
+"""("log", (stream, text)) | ("trace", [events]) | ("infra", mark) | ("placement", sample)."""
 
 
 class _RecordingLive:
@@ -45,6 +46,9 @@ class _RecordingLive:
 
     async def infra(self, mark: Infra) -> None:
         self.records.append(("infra", mark))
+
+    async def placement(self, sample: PlacementSample) -> None:
+        self.records.append(("placement", sample))
 
 
 @pytest.fixture

@@ -44,7 +44,7 @@ from evalbus_dispatcher import (
     execute_case,
     should_retry,
 )
-from evalbus_dispatcher.backends.base import Capacity, HarnessRun
+from evalbus_dispatcher.backends.base import Capacity, HarnessRun, OnSpawn, UnitUsage
 from evalbus_grading import ExecResult
 
 pytestmark = pytest.mark.integration
@@ -81,9 +81,12 @@ class RecordingHandle:
     def node(self) -> str | None:
         return self.inner.node
 
-    async def run_harness(self, on_output: OnOutput) -> HarnessRun:
+    async def run_harness(self, on_output: OnOutput, on_spawn: OnSpawn | None = None) -> HarnessRun:
         self.log.append("run_harness")
-        return await self.inner.run_harness(on_output)
+        return await self.inner.run_harness(on_output, on_spawn)
+
+    def usage(self) -> UnitUsage | None:
+        return self.inner.usage()
 
     async def exec(self, command: str, timeout_s: float) -> ExecResult:
         self.log.append(f"exec:{command}")
@@ -225,7 +228,7 @@ async def test_end_to_end_without_platform_trace(
     # The trace: infra marks in order around the harness's events, stderr tail as a log event,
     # the answer as the final assistant message, and the torn line reported.
     trace = result.trace
-    assert marks(trace) == ["accepted", "started", "released"]
+    assert marks(trace) == ["accepted", "started", "placed", "exited", "released"]
     assert kind_of(trace[0]) == "infra"
     assert trace[1] == next(e for e in trace if isinstance(e, Infra) and e.event == "started")
     released_at = next(i for i, e in enumerate(trace) if isinstance(e, Infra) and e.event == "released")
@@ -251,7 +254,7 @@ async def test_end_to_end_without_platform_trace(
 
     # Live: marks in order, log without control lines, printed events as trace batches.
     live_marks = [rec[1].event for rec in live_records if rec[0] == "infra"]
-    assert live_marks == ["accepted", "started", "released"]
+    assert live_marks == ["accepted", "started", "placed", "exited", "released"]
     live_text = "".join(rec[1][1] for rec in live_records if rec[0] == "log")
     assert "EVALBUS_EVENT" not in live_text
     assert "reading task" in live_text
@@ -393,7 +396,14 @@ async def test_nonzero_exit_is_an_agent_failure_that_is_still_graded(
     assert "done, writing answer" in failure.log_tail
     assert "EVALBUS_EVENT" not in failure.log_tail
     assert failure.placement is not None
-    assert [m.event for m in failure.placement.events] == ["accepted", "started"]
+    assert [m.event for m in failure.placement.events] == ["accepted", "started", "placed", "exited"]
+    exited = failure.placement.events[-1]
+    assert exited.message.startswith("exited with 3 after ")
+    assert exited.unit == failure.placement.unit == f"pgid:{failure.placement.resources.pid}"  # type: ignore[union-attr]
+    sample = failure.placement.resources
+    assert sample is not None
+    assert (sample.state, sample.exit_code, sample.signal, sample.oom) == ("exited", 3, None, False)
+    assert sample.age_s == executed.result.timings.harness_seconds
     scores = score_map(executed)
     assert scores["tests"].passed is True  # tests-pass is still measured
     assert scores["steps"].value == 2.0
@@ -520,6 +530,9 @@ async def test_cancellation_still_releases_the_sandbox(
         async def infra(self, mark: Infra) -> None:
             return None
 
+        async def placement(self, sample: object) -> None:
+            return None
+
     task = asyncio.create_task(
         execute_case(make_request(argv), backend, live=Live(), on_release=lambda: released.append(1))
     )
@@ -550,11 +563,15 @@ async def test_a_failing_live_sink_never_fails_the_case(
             calls.append("infra")
             raise ConnectionError("bus down")
 
+        async def placement(self, sample: object) -> None:
+            calls.append("placement")
+            raise ConnectionError("bus down")
+
     argv = script('print(\'EVALBUS_EVENT {"kind": "tool_call", "id": "1", "name": "x"}\'); print(\'ok\')')
     req = make_request(argv, graders=(StepsGrader(id="s"),))
     executed = await execute_case(req, backend, live=BrokenLive(), on_release=lambda: None)
     assert executed.status == "succeeded"
     assert executed.result.answer == "ok"
-    assert {"log", "trace", "infra"} <= set(calls)
+    assert {"log", "trace", "infra", "placement"} <= set(calls)
     assert isinstance(executed.result.scores[0], Measured)
     assert executed.result.scores[0].value == 1.0

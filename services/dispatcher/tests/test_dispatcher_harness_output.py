@@ -113,10 +113,26 @@ def test_tail_caps_bytes_without_splitting_characters() -> None:
     assert tail("abcdef", 3) == "def"
 
 
-def test_log_tail_prefers_stderr_and_strips_control_lines() -> None:
-    assert log_tail("out", "err\n") == "err"
+def test_log_tail_puts_stderr_first_and_strips_control_lines() -> None:
+    assert log_tail("out", "err\n") == "[stderr]\nerr\n[stdout]\nout"
+    assert log_tail("", "err\n") == "err"
+    assert log_tail("out\n", "") == "out"
     assert log_tail(event_line({"kind": "error", "message": "x"}) + "\nvisible", "") == "visible"
     assert log_tail("", "") is None
+
+
+def test_log_tail_of_both_streams_fits_16_kib_stderr_first() -> None:
+    # A little stderr leaves room for the end of stdout.
+    out_lines = [f"stdout line {i}" for i in range(5000)]
+    both = log_tail("\n".join(out_lines), "Traceback: boom")
+    assert both is not None
+    assert both.startswith("[stderr]\nTraceback: boom\n[stdout]\n")
+    assert both.endswith("stdout line 4999")
+    assert len(both.encode()) <= TAIL_BYTES
+    # A stderr that fills the budget leaves stdout out.
+    big_err = "e" * (2 * TAIL_BYTES)
+    only_err = log_tail("\n".join(out_lines), big_err)
+    assert only_err == "e" * TAIL_BYTES
 
 
 def test_complete_trace_for_a_harness_without_platform_trace() -> None:

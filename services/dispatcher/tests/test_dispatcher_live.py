@@ -24,6 +24,7 @@ from evalbus_contracts import (
     InfraMark,
     LiveLog,
     LiveTrace,
+    PlacementSample,
     ToolCall,
     TraceEvent,
     decode_event,
@@ -47,6 +48,7 @@ class Sink:
         self.logs: list[tuple[OutputStream, str]] = []
         self.events: list[TraceEvent] = []
         self.marks: list[Infra] = []
+        self.samples: list[PlacementSample] = []
         self.arrived = asyncio.Event()
         self._stall = stall
 
@@ -62,6 +64,9 @@ class Sink:
 
     async def infra(self, mark: Infra) -> None:
         self.marks.append(mark)
+
+    async def placement(self, sample: PlacementSample) -> None:
+        self.samples.append(sample)
 
     def text(self, stream: OutputStream | None = None) -> str:
         return "".join(t for s, t in self.logs if stream is None or s == stream)
@@ -207,7 +212,7 @@ async def test_a_retry_waits_its_backoff_under_a_waiting_mark(
     req = make_request(script("print('again')"), attempt=2)
     executed = await execute_case(req, backend, live=live, on_release=lambda: None, backoff_s=0.05)
     sealed = [e.event for e in executed.result.trace if isinstance(e, Infra)]
-    assert sealed == ["accepted", "waiting", "started", "released"]
+    assert sealed == ["accepted", "waiting", "started", "placed", "exited", "released"]
     waiting = next(e for e in executed.result.trace if isinstance(e, Infra) and e.event == "waiting")
     assert "attempt 2 waits 0.05s" in waiting.message
     started = next(e for e in executed.result.trace if isinstance(e, Infra) and e.event == "started")

@@ -23,6 +23,7 @@ from evalbus_contracts.events import (
     EventBase,
     InfraMark,
     LiveLog,
+    LivePlacement,
     LiveTrace,
     ObservationFate,
     ObservationReceived,
@@ -33,6 +34,7 @@ from evalbus_contracts.events import (
     utcnow,
 )
 from evalbus_contracts.ids import InvalidIdError, batch_run_id, decode_token, encode_token, standalone_run_id
+from evalbus_contracts.placement import DispatcherStatus, PlacementSample
 from evalbus_contracts.results import (
     BrowserSnapshot,
     CaseFailure,
@@ -80,7 +82,7 @@ from evalbus_contracts.specs import (
     TraceSpec,
     needs_compute,
 )
-from evalbus_contracts.streams import CONSUMERS, STREAMS, ConsumerDef, StreamDef
+from evalbus_contracts.streams import BUCKETS, CONSUMERS, STREAMS, ConsumerDef, KvDef, StreamDef
 from evalbus_contracts.summary import (
     FLAKY_CASES_LISTED,
     BatchError,
@@ -110,6 +112,7 @@ from evalbus_contracts.trace import (
 )
 
 __all__ = [
+    "BUCKETS",
     "CONSUMERS",
     "EVENT_TYPES",
     "FLAKY_CASES_LISTED",
@@ -142,6 +145,7 @@ __all__ = [
     "CostGrader",
     "DeadLetter",
     "DecodeError",
+    "DispatcherStatus",
     "EmbeddingJudge",
     "EnvAction",
     "Error",
@@ -159,8 +163,10 @@ __all__ = [
     "JsonSchemaJudge",
     "JsonlSink",
     "JudgeSpec",
+    "KvDef",
     "LatencyGrader",
     "LiveLog",
+    "LivePlacement",
     "LiveTrace",
     "LlmCall",
     "Log",
@@ -179,6 +185,7 @@ __all__ = [
     "OsUseSnapshot",
     "PassAtK",
     "Placement",
+    "PlacementSample",
     "PlatformSink",
     "PromptSnapshot",
     "RegexJudge",

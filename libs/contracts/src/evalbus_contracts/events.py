@@ -15,6 +15,7 @@ from typing import ClassVar, Literal
 import msgspec
 
 from evalbus_contracts import subjects as s
+from evalbus_contracts.placement import PlacementSample
 from evalbus_contracts.results import CaseResult
 from evalbus_contracts.specs import BatchSpec, CaseSpec, HarnessSpec, JudgeSpec, OnlineSuiteSpec, SinkSpec
 from evalbus_contracts.summary import BatchError, BatchSummary, ExportSummary, SinkOutcome
@@ -294,6 +295,23 @@ class InfraMark(_Event, frozen=True, kw_only=True, tag="live.infra"):
         return f"{self.type}:{self.run_id}:{self.attempt}:{_execution(self.execution)}{self.mark.event}:{self.seq}"
 
 
+class LivePlacement(_Event, frozen=True, kw_only=True, tag="live.placement"):
+    """A resource sample of a running run's sandbox (every few seconds, and once at exit)."""
+
+    sample: PlacementSample
+    """The sample."""
+    execution: str | None = None
+    """Id of this execution of the attempt (a redelivered attempt runs again under a new one)."""
+    seq: int = 0
+    """Sample number within the execution."""
+
+    def subject(self) -> str:
+        return s.live_subject(_req(self.run_id, "run id"), "placement")
+
+    def msg_id(self) -> str:
+        return f"{self.type}:{self.run_id}:{self.attempt}:{_execution(self.execution)}{self.seq}"
+
+
 def _execution(execution: str | None) -> str:
     """The execution part of a live message id (empty for messages of older dispatchers)."""
     return "" if execution is None else f"{execution}:"
@@ -495,6 +513,7 @@ EVENT_TYPES: tuple[type[_Event], ...] = (
     CaseExecuted,
     CaseCollected,
     CaseJudged,
+    | LivePlacement
     CaseExported,
     CaseObserved,
     LiveLog,
@@ -516,3 +535,4 @@ def _req(value: str | None, what: str) -> str:
     if not value:
         raise ValueError(f"this event needs a {what} to build its subject")
     return value
+    LivePlacement,

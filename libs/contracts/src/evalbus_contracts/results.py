@@ -7,6 +7,7 @@ from typing import Literal
 
 import msgspec
 
+from evalbus_contracts.placement import PlacementSample
 from evalbus_contracts.scores import Score
 from evalbus_contracts.specs import Correlate, PlatformKind
 from evalbus_contracts.trace import Infra, TraceEvent
@@ -29,7 +30,13 @@ class Placement(_Data, frozen=True, kw_only=True):
     node: str | None = None
     """Node name."""
     events: tuple[Infra, ...] = ()
-    """Infra marks up to the failure."""
+    """Infra marks up to the failure (the backend's event feed: accepted, waiting, started, placed,
+    exited...)."""
+    dispatcher: str | None = None
+    """Id of the dispatcher replica that held the sandbox."""
+    resources: PlacementSample | None = None
+    """The last resource sample of the sandbox (its exit, when the harness had exited): pid, memory,
+    CPU, age, exit code or signal, OOM verdict."""
 
 
 class CaseFailure(_Data, frozen=True, kw_only=True):
@@ -48,7 +55,8 @@ class CaseFailure(_Data, frozen=True, kw_only=True):
     placement: Placement | None = None
     """Placement evidence at failure time."""
     log_tail: str | None = None
-    """Last 16 KB of the process output."""
+    """The end of the process output at failure time, control lines removed, at most 16 KiB:
+    stderr first, then (when both streams have output) as much of stdout's end as fits."""
 
 
 class TraceRef(_Data, frozen=True, kw_only=True):

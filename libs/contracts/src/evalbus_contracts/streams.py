@@ -49,7 +49,19 @@ class ConsumerDef(msgspec.Struct, frozen=True, kw_only=True):
     """Redelivery delays after ack-wait expiries (JetStream `backoff`)."""
 
 
-CASES = StreamDef(name="CASES", subjects=("batch.>", "case.>", "online.>"), duplicate_window_s=3600.0)
+class KvDef(msgspec.Struct, frozen=True, kw_only=True):
+    """A JetStream key-value bucket (a stream underneath): shared state every replica reads."""
+
+    bucket: str
+    """Bucket name."""
+    ttl_s: float
+    """An entry not written again for this long is removed."""
+    history: int = 1
+    """Revisions kept per key."""
+    max_value_size: int = -1
+    """Largest value accepted, bytes (-1: server limit)."""
+
+
 LIVE = StreamDef(
     name="LIVE", subjects=("run.*.live.>",), max_age_s=15 * 60.0, max_msgs_per_subject=2000, duplicate_window_s=120.0
 )
@@ -100,9 +112,18 @@ EXPORTER_CASES = ConsumerDef(
 GATEWAY_RECORDER = ConsumerDef(
     durable="gateway-recorder",
     stream="CASES",
-    filter_subjects=("batch.>", "case.>", "online.>"),
     max_ack_pending=20000,
 )
+
+DISPATCHERS = KvDef(bucket="dispatchers", ttl_s=60.0, max_value_size=256 * 1024)
+"""Every dispatcher replica's `DispatcherStatus` (key: its id), written every few seconds and
+deleted when it stops; one that died ages out (readers also drop a status older than three of its
+intervals)."""
+TERMINAL_TICKETS = KvDef(bucket="terminal-tickets", ttl_s=120.0, max_value_size=4 * 1024)
+"""Single-use terminal tickets (key: the SHA-256 of the ticket, never the ticket), valid 30 s;
+consuming one is an atomic delete at its revision, so a ticket works once on any gateway replica."""
+
+BUCKETS: tuple[KvDef, ...] = (DISPATCHERS, TERMINAL_TICKETS)
 
 CONSUMERS: tuple[ConsumerDef, ...] = (
     DISPATCHER_BATCHES,

@@ -11,7 +11,7 @@ from nats.js import JetStreamContext
 from nats.js import api as jsapi
 from nats.js.errors import BadRequestError, NotFoundError
 
-from evalbus_contracts.streams import CONSUMERS, STREAMS, ConsumerDef, StreamDef
+from evalbus_contracts.streams import BUCKETS, CONSUMERS, STREAMS, ConsumerDef, KvDef, StreamDef
 
 log = logging.getLogger("evalbus.bus")
 
@@ -98,15 +98,41 @@ async def ensure_consumer(js: JetStreamContext, consumer: ConsumerDef) -> None:
     await js.add_consumer(consumer.stream, consumer_config(consumer))
 
 
+async def ensure_bucket(js: JetStreamContext, bucket: KvDef, replicas: int = 1) -> None:
+    """Create the key-value bucket, or update it when its definition changed."""
+    config = jsapi.KeyValueConfig(
+        bucket=bucket.bucket,
+        ttl=bucket.ttl_s,
+        history=bucket.history,
+        max_value_size=bucket.max_value_size,
+        storage=jsapi.StorageType.FILE,
+        replicas=replicas,
+    )
+    try:
+        await js.create_key_value(config)
+    except BadRequestError:
+        # The bucket exists with another definition: its stream is updated in place.
+        info = await js.stream_info(f"KV_{bucket.bucket}")
+        stream = info.config
+        stream.max_age = bucket.ttl_s
+        stream.max_msgs_per_subject = bucket.history
+        stream.max_msg_size = bucket.max_value_size
+        await js.update_stream(stream)
+
+
 async def ensure_topology(
     js: JetStreamContext,
     streams: Iterable[StreamDef] = STREAMS,
     consumers: Iterable[ConsumerDef] = CONSUMERS,
     replicas: int = 1,
+    buckets: Iterable[KvDef] = BUCKETS,
 ) -> None:
-    """Create every stream and consumer evalbus needs (idempotent; safe from several replicas)."""
+    """Create every stream, key-value bucket and consumer evalbus needs (idempotent; safe from
+    several replicas)."""
     for stream in streams:
         await ensure_stream(js, stream, replicas)
+    for bucket in buckets:
+        await ensure_bucket(js, bucket, replicas)
     for consumer in consumers:
         await ensure_consumer(js, consumer)
 

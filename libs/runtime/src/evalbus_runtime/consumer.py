@@ -79,6 +79,8 @@ class Delivery:
     _on_release: Callable[[], None]
     _released: bool = False
     started: float = field(default_factory=time.monotonic)
+    stored_ns: int = 0
+    """When JetStream stored the message, Unix nanoseconds (0 when the ack subject does not say)."""
 
     def release_slot(self) -> None:
         """Give this message's pull slot back now (idempotent): the loop may pull the next one
@@ -292,6 +294,7 @@ class ConsumerLoop:
             stream_seq=stream_seq,
             _msg=msg,
             _on_release=self._release,
+            stored_ns=stored_ns(msg.reply),
         )
         outcome = "ack"
         try:
@@ -427,6 +430,15 @@ def _ack_fields(reply: str) -> tuple[int, int]:
     if len(tokens) == 9:
         return int(tokens[4]), int(tokens[5])
     return int(tokens[6]), int(tokens[7])
+
+
+def stored_ns(reply: str) -> int:
+    """When the message was stored (Unix ns), from its JetStream ack subject (0 when unreadable)."""
+    tokens = reply.split(".")
+    try:
+        return int(tokens[7] if len(tokens) == 9 else tokens[9])
+    except (IndexError, ValueError):
+        return 0
 
 
 def check_subject(event: EventBase, subject: str) -> None:

@@ -1,9 +1,11 @@
 """Executing one case on a backend, releasing the sandbox at its last use.
 
-Order: mark `accepted` → (a retry: mark `waiting` with the reason, wait its backoff) → provision →
-mark `started` → run the harness (its output teed live) →
-snapshot → compute graders → **release** (idempotent, also in `finally`) → `on_release()` →
-mark `released` → collect the trace (`job` mode) → observation graders → `case.executed`.
+Order: (a long wait in the queue or a redelivery: mark `waiting` saying so) → mark `accepted` → (a
+retry: mark `waiting` with the reason, wait its backoff) → provision → mark `started` → run the harness (mark
+`placed` once its process exists, its output teed live, placement samples while it runs, mark
+`exited` saying how it ended) → snapshot → compute graders → **release** (idempotent, also in
+`finally`) → `on_release()` → mark `released` → collect the trace (`job` mode) → observation
+graders → `case.executed`.
 In `control-plane` mode the observation graders are left to the collector.
 
 A trace pull that fails is a retryable `collect` failure (the sandbox's scores stand, the
@@ -11,7 +13,9 @@ observation graders are `unmeasured: missing_evidence`, an `error` trace event s
 puller raising `MissingSecretError` pulled nothing, so the observation graders are
 `unmeasured: missing_secret` and the case has no failure.
 
-Every failure is data on the result (`CaseFailure`); `execute_case` raises only when cancelled
+Every failure is data on the result (`CaseFailure`), with its evidence captured when it happens:
+the marks so far, the last placement sample and the end of the output (stderr first, 16 KiB), so
+they are sealed with the trajectory and outlive the sandbox. `execute_case` raises only when cancelled
 (or given a request with neither a run id nor a batch id: `ValueError`, a poison message).
 The run's clock (`t`) starts when the dispatcher accepts the case; events the harness prints
 are shifted from the harness's clock (seconds since it started) onto it.
@@ -23,7 +27,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -36,6 +40,7 @@ from evalbus_contracts import (
     Error,
     Infra,
     Placement,
+    PlacementSample,
     Score,
     Snapshot,
     TraceEvent,
@@ -49,10 +54,36 @@ from evalbus_dispatcher.collect import TracePuller, trace_ref_for
 from evalbus_dispatcher.errors import BackendError
 from evalbus_dispatcher.harness_output import complete_trace, log_tail, parse_stdout
 from evalbus_dispatcher.live import LiveSink, LiveTee, shift
+from evalbus_dispatcher.placement import SAMPLE_INTERVAL_S, Sampler, exit_message
 from evalbus_grading import Evidence, grade_compute, grade_observations, in_grader_order, partition, unmeasured_scores
 from evalbus_runtime.secrets import MissingSecretError
 
 log = logging.getLogger(__name__)
+
+QUEUE_MARK_S = 1.0
+"""A run that waited at least this long in the queue before a dispatcher took it gets a `waiting`
+mark saying how long (shorter waits are not worth a mark)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """How a request reached the dispatcher: how long after it was stored, on which delivery."""
+
+    waited_s: float
+    """Seconds between JetStream storing the request and this dispatcher taking it."""
+    delivery: int = 1
+    """Delivery number (above 1: an earlier delivery was not acknowledged)."""
+
+    def reason(self) -> str | None:
+        """The `waiting` mark's words, or None when the wait is not worth a mark."""
+        if self.delivery > 1:
+            return (
+                f"delivery {self.delivery}: stored {self.waited_s:.1f}s ago; an earlier delivery was not "
+                "acknowledged (the dispatcher that held it stopped or failed)"
+            )
+        if self.waited_s >= QUEUE_MARK_S:
+            return f"waited {self.waited_s:.1f}s in the queue for a compute slot"
+        return None
 
 
 async def execute_case(
@@ -63,6 +94,10 @@ async def execute_case(
     on_release: Callable[[], None],
     trace_puller: TracePuller | None = None,
     backoff_s: float = 0.0,
+    dispatcher: str | None = None,
+    queued: Queued | None = None,
+    sample_interval_s: float = SAMPLE_INTERVAL_S,
+    on_sandbox: Callable[[SandboxHandle], Awaitable[Callable[[], Awaitable[None]]]] | None = None,
 ) -> CaseExecuted:
     """Run one case × trial and grade it, releasing the sandbox as early as possible.
 
@@ -71,8 +106,17 @@ async def execute_case(
     case while this one finishes. `trace_puller` is needed for `job` collect mode with a
     platform trace; without one the collection fails (retryably) and the scores are kept.
     `backoff_s` is how long a retry waits before provisioning (marked `waiting`, with the reason).
+    `dispatcher` names the replica in the marks and samples; `queued` says how the request reached
+    it (a long wait or a redelivery is marked `waiting`); the harness is sampled every
+    `sample_interval_s`. `on_sandbox(handle)` is awaited once the sandbox exists and returns what
+    to await right before it is released (the live actions attach and detach there).
     """
-    return await _Execution(req, backend, live, on_release, trace_puller).run(backoff_s)
+    execution = _Execution(req, backend, live, on_release, trace_puller)
+    execution.dispatcher = dispatcher
+    execution.queued = queued
+    execution.sample_interval_s = sample_interval_s
+    execution.on_sandbox = on_sandbox
+    return await execution.run(backoff_s)
 
 
 def run_id_of(req: CaseRequested) -> str:
@@ -145,6 +189,13 @@ class _Execution:
         self._released_at: datetime | None = None
         self._release_signalled = False
         self._sandbox_released = False
+        self._tee: LiveTee | None = None
+        self._sample: PlacementSample | None = None
+        self._detach: Callable[[], Awaitable[None]] | None = None
+        self.dispatcher: str | None = None
+        self.queued: Queued | None = None
+        self.sample_interval_s = SAMPLE_INTERVAL_S
+        self.on_sandbox: Callable[[SandboxHandle], Awaitable[Callable[[], Awaitable[None]]]] | None = None
 
     def _t(self) -> float:
         return time.monotonic() - self._t0
@@ -157,7 +208,13 @@ class _Execution:
 
     async def _run(self, backoff_s: float) -> CaseExecuted:
         async with LiveTee(self._live) as tee:
-            await self._mark(tee, "accepted", "accepted by a dispatcher")
+            self._tee = tee
+            # How long it waited before this dispatcher took it comes first: that wait came first.
+            queue_reason = self.queued.reason() if self.queued is not None else None
+            if queue_reason is not None:
+                await self._mark(tee, "waiting", queue_reason)
+            who = f"dispatcher {self.dispatcher}" if self.dispatcher else "a dispatcher"
+            await self._mark(tee, "accepted", f"accepted by {who}")
             if backoff_s > 0:
                 reason = f"attempt {self._req.attempt} waits {backoff_s:g}s after a retryable failure"
                 await self._mark(tee, "waiting", reason)
@@ -176,6 +233,8 @@ class _Execution:
                 failure = self._failure("dispatch", "infra", "provision_failed", message, retryable=True)
                 return self._build(_InSandbox(failure=failure))
             try:
+                if self.on_sandbox is not None:
+                    self._detach = await self.on_sandbox(handle)
                 held = await self._in_sandbox(handle, tee)
             except Exception as e:
                 log.exception("executing the case failed")
@@ -192,12 +251,34 @@ class _Execution:
         started_t = self._t()
         await self._mark(tee, "started", "harness starting", t=started_t)
         tee.t_offset = started_t
-        run = await handle.run_harness(tee.on_output)
+        timeout_s = req.case.timeout_s or req.harness.timeout_s
+        sampler = Sampler(
+            handle.usage,
+            tee.sample,
+            dispatcher=self.dispatcher,
+            node=self._node,
+            timeout_s=timeout_s,
+            interval_s=self.sample_interval_s,
+        )
+
+        async def spawned(pid: int) -> None:
+            self._unit = handle.unit or f"pid:{pid}"
+            where = f" on {self._node}" if self._node else ""
+            await self._mark(tee, "placed", f"process group {pid} started{where}")
+            await sampler.start(pid)
+
+        ran: HarnessRun | None = None
+        try:
+            ran = await handle.run_harness(tee.on_output, spawned)
+        finally:
+            self._sample = await sampler.finish(ran)
+        run = ran
         self._unit = handle.unit or self._unit
         held = _InSandbox(run=run, t_end=started_t + run.duration_s)
         if run.spawn_error is not None:
             held.failure = self._failure("run", "config", "spawn_failed", run.spawn_error)
             return held
+        await self._mark(tee, "exited", exit_message(run, self._sample, timeout_s))
         output = parse_stdout(run.stdout)
         held.answer = output.answer
         held.events = [shift(e, started_t) for e in output.events]
@@ -206,11 +287,15 @@ class _Execution:
                 Error(message=f"{output.invalid_lines} torn or invalid EVALBUS_* line(s) skipped", t=held.t_end)
             )
         tail = log_tail(run.stdout, run.stderr)
-        timeout_s = req.case.timeout_s or req.harness.timeout_s
         if run.timed_out:
             held.failure = self._failure(
                 "run", "agent", "timeout", f"harness ran past {timeout_s:g}s and was killed (exit 124)", log_tail=tail
             )
+        elif run.oom is True:
+            held.failure = self._failure(
+                "run", "agent", "oom", f"harness was killed by the out-of-memory killer (exit {run.exit_code})",
+                log_tail=tail,
+            )  # fmt: skip
         elif run.exit_code != 0:
             held.failure = self._failure(
                 "run", "agent", "exit_nonzero", f"harness exited with {run.exit_code}", log_tail=tail
@@ -226,6 +311,12 @@ class _Execution:
         if self._sandbox_released:
             return
         self._sandbox_released = True
+        if self._detach is not None:
+            detach, self._detach = self._detach, None
+            try:
+                await detach()
+            except Exception:
+                log.warning("detaching the live actions failed", exc_info=True)
         try:
             await handle.release()
         except Exception as e:
@@ -323,13 +414,21 @@ class _Execution:
         retryable: bool = False,
         log_tail: str | None = None,
     ) -> CaseFailure:
+        if log_tail is None and self._tee is not None:
+            log_tail = self._tee.recent_tail()  # what was seen of the output when it failed
         return CaseFailure(
             stage=stage,
             failure_class=failure_class,
             code=code,
             message=message,
             retryable=retryable,
-            placement=Placement(unit=self._unit, node=self._node, events=tuple(self._marks)),
+            placement=Placement(
+                unit=self._unit,
+                node=self._node,
+                events=tuple(self._marks),
+                dispatcher=self.dispatcher,
+                resources=self._sample,
+            ),
             log_tail=log_tail,
         )
 

@@ -129,13 +129,30 @@ def tail(text: str, limit_bytes: int = TAIL_BYTES) -> str:
     return data[-limit_bytes:].decode("utf-8", errors="ignore")
 
 
+STDERR_HEADER = "[stderr]\n"
+STDOUT_HEADER = "\n[stdout]\n"
+_MIN_STDOUT_ROOM = 256
+
+
 def log_tail(stdout: str, stderr: str, limit_bytes: int = TAIL_BYTES) -> str | None:
-    """Failure evidence: the stderr tail, else the stdout tail, control lines stripped."""
-    for text in (stderr, stdout):
-        cleaned = strip_control_lines(text).strip()
-        if cleaned:
-            return tail(cleaned, limit_bytes)
-    return None
+    """Failure evidence, control lines stripped, at most `limit_bytes` (UTF-8): stderr first.
+
+    With output on one stream only, its tail. With both, `[stderr]` and the stderr tail, then
+    `[stdout]` and as much of stdout's end as still fits (stdout is left out when less than
+    256 bytes of room remain).
+    """
+    err = strip_control_lines(stderr).strip()
+    out = strip_control_lines(stdout).strip()
+    if not err and not out:
+        return None
+    if not out or not err:
+        return tail(err or out, limit_bytes)
+    budget = limit_bytes - len(STDERR_HEADER) - len(STDOUT_HEADER)
+    err_tail = tail(err, budget)
+    room = budget - len(err_tail.encode("utf-8"))
+    if room < _MIN_STDOUT_ROOM:
+        return tail(err, limit_bytes)
+    return STDERR_HEADER + err_tail + STDOUT_HEADER + tail(out, room)
 
 
 def complete_trace(

@@ -24,9 +24,9 @@ from typing import Protocol
 
 import msgspec
 
-from evalbus_contracts import Error, Infra, TraceEvent
+from evalbus_contracts import Error, Infra, PlacementSample, TraceEvent
 from evalbus_dispatcher.backends.base import OutputStream
-from evalbus_dispatcher.harness_output import parse_line
+from evalbus_dispatcher.harness_output import TAIL_BYTES, log_tail, parse_line
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,11 @@ class LiveSink(Protocol):
         ...
 
     async def infra(self, mark: Infra) -> None:
-        """An infrastructure mark (accepted, waiting, started, released)."""
+        """An infrastructure mark (accepted, waiting, started, placed, exited, released)."""
+        ...
+
+    async def placement(self, sample: PlacementSample) -> None:
+        """A resource sample of the running harness (and its exit sample)."""
         ...
 
 
@@ -90,6 +94,25 @@ class _Pending:
         return lines
 
 
+class _Recent:
+    """The last lines of one stream, at most `cap` bytes: failure evidence when the backend's own
+    capture is lost with an error."""
+
+    def __init__(self, cap: int) -> None:
+        self._cap = cap
+        self._lines: deque[str] = deque()
+        self._size = 0
+
+    def add(self, line: str) -> None:
+        self._lines.append(line)
+        self._size += _utf8_len(line) + 1
+        while self._size > self._cap and len(self._lines) > 1:
+            self._size -= _utf8_len(self._lines.popleft()) + 1
+
+    def text(self) -> str:
+        return "\n".join(self._lines)
+
+
 class LiveTee:
     """Buffers a run's output for a `LiveSink`; use as `async with LiveTee(sink) as tee`."""
 
@@ -110,6 +133,7 @@ class LiveTee:
             "stdout": _Pending(pending_bytes),
             "stderr": _Pending(pending_bytes),
         }
+        self._recent: dict[OutputStream, _Recent] = {"stdout": _Recent(TAIL_BYTES), "stderr": _Recent(TAIL_BYTES)}
         self._events: list[TraceEvent] = []
         self._dropped_now = 0
         self.dropped_events = 0
@@ -145,7 +169,16 @@ class LiveTee:
         if parsed.kind != "text":
             return  # control lines (valid or torn) are not user log, on either stream
         self._logs[stream].add(line)
+        self._recent[stream].add(line)
         self._dirty.set()
+
+    def recent_tail(self) -> str | None:
+        """The end of the output seen so far, as failure evidence (`harness_output.log_tail`)."""
+        return log_tail(self._recent["stdout"].text(), self._recent["stderr"].text())
+
+    async def sample(self, sample: PlacementSample) -> None:
+        """Publish a placement sample now (best effort, unordered with the output)."""
+        await _best_effort("placement", self._sink.placement, sample)
 
     async def mark(self, mark: Infra) -> None:
         """Publish an infra mark now, after everything buffered before it."""

@@ -1,13 +1,16 @@
 """Wiring of the dispatcher: fan-out of `batch.requested`, execution of `case.requested` on the
 local backend with compute slots (a replica pulls only when a slot is free, and gives the slot back
-the moment the sandbox is released), live output to the LIVE stream, cancellations honoured, job-mode
-trace collection through `evalbus_traces`, retries of retryable infrastructure failures."""
+the moment the sandbox is released), live output and placement samples to the LIVE stream, the
+replica's presence (slots and the runs holding them) in the `dispatchers` bucket, cancellations
+honoured, job-mode trace collection through `evalbus_traces`, retries of retryable infrastructure
+failures."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,7 +31,9 @@ from evalbus_contracts import (
     Infra,
     InfraMark,
     LiveLog,
+    LivePlacement,
     LiveTrace,
+    PlacementSample,
     TraceEvent,
     TraceRef,
     decode_event,
@@ -38,8 +43,10 @@ from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import DISPATCHER_BATCHES, DISPATCHER_CASES, LIVE
 from evalbus_dispatcher.backends.local import LocalBackend, sweep_orphans
 from evalbus_dispatcher.cancellation import cancelled_execution
-from evalbus_dispatcher.execute import execute_case, run_id_of
+from evalbus_dispatcher.execute import Queued, execute_case, run_id_of
 from evalbus_dispatcher.fanout import fan_out
+from evalbus_dispatcher.placement import SAMPLE_INTERVAL_S
+from evalbus_dispatcher.presence import STATUS_INTERVAL_S, Presence, default_replica_id
 from evalbus_dispatcher.retry import next_attempt, should_retry
 from evalbus_runtime import (
     Delivery,
@@ -68,6 +75,12 @@ class DispatcherSettings(ServiceSettings):
     """Delay before attempt n+1 of a run: n × this."""
     workdir_root: str | None = None
     """Where case workdirs are made (default: the system temp folder)."""
+    replica_id: str | None = None
+    """This replica's id in marks, samples and the `dispatchers` bucket (default `<node>-<pid>`)."""
+    sample_interval_s: float = SAMPLE_INTERVAL_S
+    """Seconds between two placement samples of a running harness."""
+    status_interval_s: float = STATUS_INTERVAL_S
+    """Seconds between two writes of the replica's status when nothing changes."""
 
 
 class LiveBus:
@@ -84,7 +97,7 @@ class LiveBus:
         self._req = req
         self._run_id = run_id_of(req)
         self._execution = uuid.uuid4().hex[:16]
-        self._seq = {"stdout": 0, "stderr": 0, "trace": 0, "infra": 0}
+        self._seq = {"stdout": 0, "stderr": 0, "trace": 0, "infra": 0, "placement": 0}
         self.offset = 0
         """Bytes of the run's live log published so far (where the next chunk starts)."""
 
@@ -148,6 +161,20 @@ class LiveBus:
                 execution=self._execution,
                 seq=self._next("infra"),
                 mark=mark,
+            )
+        )
+
+    async def placement(self, sample: PlacementSample) -> None:
+        req = self._req
+        await self._pub.publish_nowait(
+            LivePlacement(
+                batch_id=req.batch_id,
+                case_id=req.case_id,
+                run_id=self._run_id,
+                attempt=req.attempt,
+                execution=self._execution,
+                seq=self._next("placement"),
+                sample=sample,
             )
         )
 
@@ -235,6 +262,9 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
     )
     puller = PlatformTracePuller(secrets)
     cancels = Cancellations()
+    presence = Presence(
+        settings.replica_id or default_replica_id(), slots=settings.slots, interval_s=settings.status_interval_s
+    )
 
     async def start(svc: Service) -> None:
         swept = await asyncio.to_thread(sweep_orphans, backend.root)
@@ -242,8 +272,10 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
             log.warning("removed %d sandboxes left by a dispatcher that died", len(swept))
         await puller.start()
         await cancels.start(svc.js)
+        await presence.start(svc.js)
 
     async def stop(_: Service) -> None:
+        await presence.stop()
         await puller.close()
 
     async def on_batch(event: BatchRequested, _: Delivery) -> Sequence[EventBase]:
@@ -265,14 +297,36 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         live = LiveBus(service.publisher, req)
         if req.attempt > 1 or delivery.num_delivered > 1:
             await live.resume(service.js)
-        executed = await execute_case(
-            req,
-            backend,
-            live=live,
-            on_release=delivery.release_slot,
-            trace_puller=puller,
-            backoff_s=settings.retry_backoff_s * (req.attempt - 1),
-        )
+        run_id = run_id_of(req)
+        waited = max(0.0, (time.time_ns() - delivery.stored_ns) / 1e9) if delivery.stored_ns else 0.0
+
+        held = True
+
+        def free_slot() -> None:
+            nonlocal held
+            if held:
+                held = False
+                presence.free(run_id)
+
+        def released() -> None:
+            free_slot()
+            delivery.release_slot()
+
+        presence.hold(run_id)
+        try:
+            executed = await execute_case(
+                req,
+                backend,
+                live=live,
+                on_release=released,
+                trace_puller=puller,
+                backoff_s=settings.retry_backoff_s * (req.attempt - 1),
+                dispatcher=presence.id,
+                queued=Queued(waited_s=waited, delivery=delivery.num_delivered),
+                sample_interval_s=settings.sample_interval_s,
+            )
+        finally:
+            free_slot()
         if should_retry(executed, req.attempt, req.plan.retries):
             log.info("retrying %s after a retryable %s failure", executed.run_id, executed.result.failure)
             return [next_attempt(req)]

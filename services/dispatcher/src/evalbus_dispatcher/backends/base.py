@@ -20,6 +20,9 @@ OutputStream = Literal["stdout", "stderr"]
 OnOutput = Callable[[OutputStream, str], Awaitable[None]]
 """Called with each line of harness output (newline removed) as soon as it is read."""
 
+OnSpawn = Callable[[int], Awaitable[None]]
+"""Called with the harness's process id once it exists (before its output is read)."""
+
 
 @dataclass(frozen=True, slots=True)
 class HarnessRun:
@@ -41,6 +44,26 @@ class HarnessRun:
     """The head of stdout was dropped to respect the backend's output cap."""
     stderr_truncated: bool = False
     """The head of stderr was dropped to respect the backend's output cap."""
+    signal: int | None = None
+    """Signal that ended the process, when one did (SIGTERM/SIGKILL on timeout included)."""
+    oom: bool | None = None
+    """Whether the out-of-memory killer ended it (None: cannot tell)."""
+    pid: int | None = None
+    """Process id the harness ran as."""
+
+
+@dataclass(frozen=True, slots=True)
+class UnitUsage:
+    """What a sandbox's running unit uses now."""
+
+    pid: int | None
+    """Process id of the harness."""
+    processes: int
+    """Processes alive in the unit."""
+    rss_bytes: int | None
+    """Resident memory, bytes."""
+    cpu_seconds: float | None
+    """CPU time so far, seconds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +94,13 @@ class SandboxHandle(Protocol):
         """Node the sandbox runs on."""
         ...
 
-    async def run_harness(self, on_output: OnOutput) -> HarnessRun:
-        """Run the case's harness to completion or timeout, streaming each output line."""
+    async def run_harness(self, on_output: OnOutput, on_spawn: OnSpawn | None = None) -> HarnessRun:
+        """Run the case's harness to completion or timeout, streaming each output line;
+        `on_spawn(pid)` once the process exists."""
+        ...
+
+    def usage(self) -> UnitUsage | None:
+        """What the harness's unit uses now (None before it started or after it ended)."""
         ...
 
     async def exec(self, command: str, timeout_s: float) -> ExecResult:

@@ -28,7 +28,8 @@ from pathlib import Path, PurePosixPath
 from urllib.parse import quote
 
 from evalbus_contracts import CaseRequested, PromptSnapshot, RepoSnapshot, Snapshot
-from evalbus_dispatcher.backends.base import Capacity, HarnessRun, OnOutput, OutputStream
+from evalbus_dispatcher.backends import procfs
+from evalbus_dispatcher.backends.base import Capacity, HarnessRun, OnOutput, OnSpawn, OutputStream, UnitUsage
 from evalbus_dispatcher.errors import BackendError
 from evalbus_grading import ExecResult
 from evalbus_runtime.secrets import SecretStore
@@ -141,6 +142,7 @@ class _Exited:
     stderr: _Capture
     duration_s: float
     timed_out: bool
+    signal: int | None = None
 
 
 def _exit_code(returncode: int | None) -> int:
@@ -294,6 +296,7 @@ async def _run_process(
     grace_s: float,
     drain_s: float,
     cap: int,
+    on_spawn: OnSpawn | None = None,
 ) -> _Exited:
     """Run argv in its own process group; raises OSError when it cannot be spawned."""
     loop = asyncio.get_running_loop()
@@ -310,6 +313,11 @@ async def _run_process(
     )
     pgid = transport.get_pid()  # the new session's process group id is the leader's pid
     groups.add(pgid)
+    if on_spawn is not None:
+        try:
+            await on_spawn(pgid)
+        except Exception:  # a live-view problem must never stop the run
+            log.exception("spawn callback failed; the run goes on")
     assert protocol.stdout is not None
     assert protocol.stderr is not None
     out, err = _Capture(cap), _Capture(cap)
@@ -343,12 +351,14 @@ async def _run_process(
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         transport.close()  # the pipes, even if a leftover still holds their other end
+    returncode = transport.get_returncode()
     return _Exited(
-        exit_code=TIMEOUT_EXIT if timed_out else _exit_code(transport.get_returncode()),
+        exit_code=TIMEOUT_EXIT if timed_out else _exit_code(returncode),
         stdout=out,
         stderr=err,
         duration_s=duration,
         timed_out=timed_out,
+        signal=-returncode if returncode is not None and returncode < 0 else None,
     )
 
 
@@ -482,6 +492,7 @@ class LocalSandbox:
         self._cap = cap
         self._groups: set[int] = set()
         self._unit: str | None = None
+        self._pgid: int | None = None
         self._released = False
         self._redact = _redactor(secret_env.values())
 
@@ -500,14 +511,39 @@ class LocalSandbox:
         """Whether `release` has run."""
         return self._released
 
-    async def run_harness(self, on_output: OnOutput) -> HarnessRun:
-        """Run the harness command with the case input; a spawn failure is reported, not raised."""
+    @property
+    def pid(self) -> int | None:
+        """Process id of the harness (its process group's leader), once spawned."""
+        return self._pgid
+
+    def usage(self) -> UnitUsage | None:
+        """Processes, memory and CPU of the harness's process group now (None before it started
+        or once none of it is left)."""
+        if self._pgid is None:
+            return None
+        found = procfs.group_usage(self._pgid)
+        if found is None:
+            return None
+        return UnitUsage(
+            pid=self._pgid, processes=found.processes, rss_bytes=found.rss_bytes, cpu_seconds=found.cpu_seconds
+        )
+
+    async def run_harness(self, on_output: OnOutput, on_spawn: OnSpawn | None = None) -> HarnessRun:
+        """Run the harness command with the case input; a spawn failure is reported, not raised.
+        `on_spawn(pid)` is awaited once the process exists, before its output is read."""
         self._check_live()
         argv = self._job.harness.command
         if not argv:
             return HarnessRun(exit_code=None, stdout="", stderr="", spawn_error="the harness command is empty")
         timeout_s = self._job.case.timeout_s or self._job.harness.timeout_s
-        groups_before = set(self._groups)
+        oom_before = procfs.oom_kills()
+
+        async def spawned(pgid: int) -> None:
+            self._pgid = pgid
+            self._unit = f"pgid:{pgid}"
+            if on_spawn is not None:
+                await on_spawn(pgid)
+
         try:
             exited = await _run_process(
                 argv,
@@ -521,15 +557,13 @@ class LocalSandbox:
                 grace_s=self._grace_s,
                 drain_s=self._drain_s,
                 cap=self._cap,
+                on_spawn=spawned,
             )
         except OSError as e:
             return HarnessRun(
                 exit_code=None, stdout="", stderr="", spawn_error=self._redact(f"cannot start {argv[0]!r}: {e}")
             )
-        finally:
-            started = self._groups - groups_before
-            if started:
-                self._unit = f"pgid:{min(started)}"
+        oom = procfs.oom_verdict(exited.signal, timed_out=exited.timed_out, before=oom_before, after=procfs.oom_kills())
         return HarnessRun(
             exit_code=exited.exit_code,
             stdout=exited.stdout.text(),
@@ -538,6 +572,9 @@ class LocalSandbox:
             timed_out=exited.timed_out,
             stdout_truncated=exited.stdout.truncated,
             stderr_truncated=exited.stderr.truncated,
+            signal=exited.signal,
+            oom=oom,
+            pid=self._pgid,
         )
 
     async def exec(self, command: str, timeout_s: float) -> ExecResult:

@@ -21,13 +21,22 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
 
-from evalbus_contracts import CaseExecuted, DecodeError, InfraMark, LiveLog, LiveTrace, decode_event, subjects
+from evalbus_contracts import (
+    CaseExecuted,
+    DecodeError,
+    InfraMark,
+    LiveLog,
+    LivePlacement,
+    LiveTrace,
+    decode_event,
+    subjects,
+)
 from evalbus_contracts.streams import CASES, LIVE
 from evalbus_gateway.live.views import LOG_TAIL_BYTES, Stored, chunk_end, tail_target
 
 log = logging.getLogger("evalbus.gateway.live")
 
-Channel = Literal["log", "trace", "infra"]
+Channel = Literal["log", "trace", "infra", "placement"]
 ExecutedStatus = Literal["succeeded", "failed", "cancelled"]
 
 IDLE_HEARTBEAT_S = 5.0
@@ -47,7 +56,7 @@ def _stored(seq: int, data: bytes, subject: str) -> Stored | None:
     except DecodeError as e:
         log.warning("unreadable LIVE message %d on %s left out: %s", seq, subject, e)
         return None
-    if not isinstance(event, LiveLog | LiveTrace | InfraMark):
+    if not isinstance(event, LiveLog | LiveTrace | InfraMark | LivePlacement):
         return None
     return Stored(seq=seq, event=event)
 

@@ -13,7 +13,7 @@ from typing import Literal
 
 import msgspec
 
-from evalbus_contracts import InfraMark, LiveLog, LiveTrace, TraceEvent, encode
+from evalbus_contracts import InfraMark, LiveLog, LivePlacement, LiveTrace, TraceEvent, encode
 
 RunStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 """Where a run is: requested but not accepted by a dispatcher (`queued`), accepted and not
@@ -22,7 +22,7 @@ settled (`running`), or its execution outcome once `case.executed` is on the str
 LOG_TAIL_BYTES = 64 * 1024
 """Most log text (UTF-8 bytes) a tail snapshot holds, and the tail an event stream starts with."""
 
-LiveEvent = LiveLog | LiveTrace | InfraMark
+LiveEvent = LiveLog | LiveTrace | InfraMark | LivePlacement
 """Any LIVE stream event."""
 
 

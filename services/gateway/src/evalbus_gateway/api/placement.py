@@ -1,0 +1,103 @@
+"""`GET /v1/runs/{run_id}/placement`: where a run's sandbox is and why ("why is my case not
+running?"), projected when asked from the LIVE stream (the run's marks and latest sample), the
+`dispatchers` bucket and the dispatchers' queue on the CASES stream, so every replica answers the
+same. A run read: `runs:read` and the run-audience rule (404 for a run the caller may not see)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+from nats.js import JetStreamContext
+
+from evalbus_contracts import InfraMark, LivePlacement, encode, utcnow
+from evalbus_gateway.api.access import LiveRun, visible_live_run
+from evalbus_gateway.api.live import run_status
+from evalbus_gateway.api.table import Body, Call, Param, Route
+from evalbus_gateway.api.validation import path_id
+from evalbus_gateway.live.dispatchers import dispatcher_statuses, latest_request, requests_ahead
+from evalbus_gateway.live.placement import Asked, MarkSeen, Requested, RunPlacement, SampleSeen, project
+from evalbus_gateway.live.reads import last_on, live_subjects, read_live
+
+
+async def _marks(js: JetStreamContext, run_id: str) -> list[MarkSeen]:
+    subject = live_subjects(run_id, "infra")
+    last = await last_on(js, subject[0])
+    if last is None:
+        return []
+    out: list[MarkSeen] = []
+    for stored in await read_live(js, subject, start_seq=None, until_seq=last.seq):
+        event = stored.event
+        if isinstance(event, InfraMark):
+            out.append(MarkSeen(mark=event.mark, execution=event.execution, attempt=event.attempt, at=event.ts))
+    return out
+
+
+async def _sample(js: JetStreamContext, run_id: str) -> SampleSeen | None:
+    last = await last_on(js, live_subjects(run_id, "placement")[0])
+    if last is None or not isinstance(last.event, LivePlacement):
+        return None
+    event = last.event
+    return SampleSeen(sample=event.sample, execution=event.execution, attempt=event.attempt)
+
+
+async def _requested(js: JetStreamContext, run: LiveRun) -> Requested | None:
+    if run.batch_id is None or run.case_id is None:
+        return None
+    stored = await latest_request(js, run.batch_id, run.case_id, run.run_id)
+    if stored is None:
+        return None
+    req = stored.request
+    ahead = await requests_ahead(js, stored.seq)
+    return Requested(
+        attempt=req.attempt, asked=Asked(timeout_s=req.case.timeout_s or req.harness.timeout_s), ahead=ahead
+    )
+
+
+async def run_placement(call: Call) -> web.StreamResponse:
+    """GET /v1/runs/{run_id}/placement."""
+    run = await visible_live_run(call, path_id(call.request, "run_id"))
+    js = call.state.js
+    status, marks, sample, requested, statuses = await asyncio.gather(
+        run_status(js, run),
+        _marks(js, run.run_id),
+        _sample(js, run.run_id),
+        _requested(js, run),
+        dispatcher_statuses(js),
+    )
+    view = project(
+        run_id=run.run_id,
+        status=status,
+        marks=marks,
+        sample=sample,
+        requested=requested,
+        statuses=statuses,
+        now=utcnow(),
+    )
+    return web.Response(body=encode(view), content_type="application/json")
+
+
+_RUN_ID = Param(
+    "run_id", "path", "Run id (`evb-<batch>-<case>[-t<trial>]`)", {"type": "string", "minLength": 1, "maxLength": 256}
+)
+
+ROUTES: tuple[Route, ...] = (
+    Route(
+        ("GET",),
+        "/v1/runs/{run_id}/placement",
+        "getRunPlacement",
+        "Where a run's sandbox is and why: queued, blocked, starting, running or dead",
+        "member",
+        run_placement,
+        tag="runs",
+        description="`phase` with the `reason` while queued or blocked (how many requests are ahead of it, how busy "
+        "the dispatchers' slots are, a retry's backoff, no dispatcher running) or dead (released, settled, lost with "
+        "its dispatcher); the dispatcher, unit and node; what it asked for and what it uses (the latest resource "
+        "sample: pid, processes, resident memory, CPU seconds, age); restarts; the OOM verdict; and every infra mark "
+        "(the backend's event feed). Read from the LIVE stream, the `dispatchers` bucket and the dispatchers' queue, "
+        "so every replica answers the same.",
+        params=(_RUN_ID,),
+        responses={200: Body("The placement", RunPlacement)},
+    ),
+)
+"""The placement route, added to the gateway's table in `api.routes`."""

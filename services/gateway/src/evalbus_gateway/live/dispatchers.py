@@ -1,0 +1,130 @@
+"""Reads of the dispatchers' side of the bus, for a run's placement: the replicas' statuses in the
+`dispatchers` bucket, the run's latest request on the CASES stream, and how many requests are ahead
+of it in the dispatchers' queue (the shared `dispatcher-cases` consumer). Nothing is kept between
+requests, so every gateway replica answers the same."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import nats.errors
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js import api as jsapi
+
+from evalbus_contracts import CaseRequested, DecodeError, DispatcherStatus, decode, decode_event, subjects
+from evalbus_contracts.streams import CASES, DISPATCHER_CASES, DISPATCHERS
+from evalbus_gateway.live.reads import READ_TIMEOUT_S
+
+log = logging.getLogger("evalbus.gateway.live")
+
+
+async def dispatcher_statuses(js: JetStreamContext) -> list[DispatcherStatus]:
+    """Every status in the `dispatchers` bucket (stale ones included: the caller decides)."""
+    try:
+        kv = await js.key_value(DISPATCHERS.bucket)
+        keys = await kv.keys()
+    except nats.js.errors.NoKeysError:
+        return []
+    except nats.js.errors.BucketNotFoundError:
+        return []
+    out: list[DispatcherStatus] = []
+    for key in keys:
+        try:
+            entry = await kv.get(key)
+            out.append(decode(entry.value or b"", DispatcherStatus))
+        except nats.js.errors.KeyNotFoundError:
+            continue  # deleted meanwhile: that replica stopped
+        except DecodeError as e:
+            log.warning("unreadable dispatcher status %s left out: %s", key, e)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class StoredRequest:
+    """A run's latest `case.requested` and its CASES stream sequence."""
+
+    seq: int
+    request: CaseRequested
+
+
+def _request_of(data: bytes, run_id: str) -> CaseRequested | None:
+    try:
+        event = decode_event(data)
+    except DecodeError:
+        return None
+    return event if isinstance(event, CaseRequested) and event.run_id == run_id else None
+
+
+async def latest_request(js: JetStreamContext, batch_id: str, case_id: str, run_id: str) -> StoredRequest | None:
+    """The run's latest request (its latest attempt) on the CASES stream; None when there is none."""
+    subject = subjects.case_subject(subjects.CASE_REQUESTED, batch_id, case_id)
+    try:
+        raw = await js.get_last_msg(CASES.name, subject)
+    except nats.js.errors.NotFoundError:
+        return None
+    request = _request_of(raw.data or b"", run_id)
+    if request is not None:
+        return StoredRequest(seq=int(raw.seq or 0), request=request)
+    # Another trial of the case was requested last: look through the subject's messages.
+    last_seq = int(raw.seq or 0)
+    found: StoredRequest | None = None
+    sub = await js.subscribe(subject, stream=CASES.name, ordered_consumer=True)
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=READ_TIMEOUT_S)
+            except nats.errors.TimeoutError:
+                return found
+            seq = int(msg.metadata.sequence.stream)
+            request = _request_of(msg.data, run_id)
+            if request is not None:
+                found = StoredRequest(seq=seq, request=request)
+            if seq >= last_seq:
+                return found
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+
+
+async def _pending_from(js: JetStreamContext, seq: int) -> int:
+    """Requests on the dispatchers' subjects at or after stream sequence `seq`, counted by an
+    ephemeral consumer starting there (deleted at once; the server counts without a message read)."""
+    probe = await js.add_consumer(
+        DISPATCHER_CASES.stream,
+        jsapi.ConsumerConfig(
+            filter_subjects=list(DISPATCHER_CASES.filter_subjects),
+            deliver_policy=jsapi.DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=max(1, seq),
+            ack_policy=jsapi.AckPolicy.NONE,
+            inactive_threshold=10.0,
+            mem_storage=True,
+        ),
+    )
+    try:
+        return int(probe.num_pending or 0)
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await js.delete_consumer(DISPATCHER_CASES.stream, probe.name)
+
+
+async def requests_ahead(js: JetStreamContext, seq: int) -> int | None:
+    """How many requests the dispatchers' queue will deliver before the one at stream sequence `seq`
+    (None when that one was delivered already).
+
+    The queue's undelivered requests are the shared consumer's `num_pending` (every request, before
+    any dispatcher created the consumer); those from `seq` on are counted from there: the difference
+    is what is ahead.
+    """
+    try:
+        info = await js.consumer_info(DISPATCHER_CASES.stream, DISPATCHER_CASES.durable)
+    except nats.js.errors.NotFoundError:
+        undelivered = await _pending_from(js, 1)
+    else:
+        delivered = int(info.delivered.stream_seq or 0) if info.delivered is not None else 0
+        if seq <= delivered:
+            return None
+        undelivered = int(info.num_pending or 0)
+    return max(0, undelivered - await _pending_from(js, seq))
