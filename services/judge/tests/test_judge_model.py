@@ -400,6 +400,22 @@ async def test_retry_after_beyond_the_budget_gives_up_without_waiting(server: Ch
     assert gave_up_s < answered_s + budget_s / 2, (gave_up_s, answered_s)
 
 
+async def test_a_rate_limit_backs_off_without_spending_a_retry(server: ChatCompletionsServer, chat: ChatClient) -> None:
+    """With no retry allowed, a provider that answers 429 three times is still waited for (its
+    Retry-After), while a 500 ends the completion at once: only real failures spend retries."""
+    busy = Reply(status=429, body=error_body("Rate limit reached", "requests"), headers={"Retry-After": "0"})
+    server.push(busy, busy, busy, verdict_reply(0.7, True))
+    score = await run(chat, spec(f"{server.root}/v1", max_retries=0))
+    assert isinstance(score, Measured), score
+    assert score.value == 0.7
+    assert len(server.requests) == 4
+    server.push(Reply(status=500, body=error_body("internal", "server_error")), verdict_reply(0.7, True))
+    failed = await run(chat, spec(f"{server.root}/v1", max_retries=0))
+    assert isinstance(failed, Unmeasured), failed
+    assert (failed.reason, failed.attempts) == ("grader_error", 1)
+    assert len(server.requests) == 5
+
+
 async def test_5xx_is_retried_then_measured(server: ChatCompletionsServer, chat: ChatClient) -> None:
     server.push(
         Reply(status=500, body=error_body("internal", "server_error")),

@@ -36,7 +36,7 @@ def batch_filter(batch_id: str) -> list[str]:
 
 
 def live_subject(run_id: str, channel: str) -> str:
-    """`run.<run>.live.<channel>` with channel `log`, `trace` or `infra`."""
+    """`run.<run>.live.<channel>` with channel `log`, `trace`, `infra` or `placement`."""
     return f"run.{encode_token(run_id)}.live.{channel}"
 
 
@@ -71,5 +71,17 @@ def dlq_subject(service: str) -> str:
 
 
 def control_subject(run_id: str, action: str) -> str:
-    """Request/reply subject for actions on a live sandbox (`exec`, `screen`...)."""
+    """Request/reply subject for actions on a live sandbox (`exec`, `terminal`, `screen`): the
+    dispatcher holding the run subscribes to `control_filter(run_id)` while its sandbox lives."""
     return f"ctl.{encode_token(run_id)}.{action}"
+
+
+def control_filter(run_id: str) -> str:
+    """Every action subject of one run."""
+    return f"ctl.{encode_token(run_id)}.*"
+
+
+def terminal_subject(session: str, direction: str) -> str:
+    """`term.<session>.in` (keystrokes and resizes, gateway → dispatcher) or `term.<session>.out`
+    (output and the end, dispatcher → gateway) of one interactive terminal session."""
+    return f"term.{encode_token(session)}.{direction}"

@@ -31,6 +31,7 @@ from evalbus_gateway.api.online import (
     OnlineSuiteView,
     SuiteDeleted,
 )
+from evalbus_gateway.live.placement import RunPlacement
 from evalbus_gateway.live.views import LiveTraceView, LogTail
 from evalbus_gateway.store.queries import BatchView, RunView, Stage, Trajectory
 
@@ -257,6 +258,10 @@ class GatewayClient:
     async def live_trace(self, run_id: str) -> LiveTraceView:
         """A run's own trace before it seals: infra marks and the harness's events."""
         return await self._call("GET", f"/v1/runs/{_quote(run_id)}/trajectory/live", LiveTraceView)
+
+    async def placement(self, run_id: str) -> RunPlacement:
+        """Where a run's sandbox is and why (queued, blocked, starting, running, dead)."""
+        return await self._call("GET", f"/v1/runs/{_quote(run_id)}/placement", RunPlacement)
 
     # ------------------------------------------------------------ online evaluation
 

@@ -139,8 +139,10 @@ class ChatClient:
     ) -> ChatReply | ChatFailure:
         """POST `payload` to `{base_url}/chat/completions`, retrying transient failures.
 
-        At most `1 + max_retries` requests, each bounded by `timeout_s`; the waits between them are
-        bounded by the retry policy's total budget. Never raises for anything the server or the
+        At most `1 + max_retries` requests that fail for another reason than a rate limit, each
+        bounded by `timeout_s`: a 429 backs off (its `Retry-After`, else the policy's backoff)
+        without spending a retry, so a provider that is only busy is waited for. All waits together
+        are bounded by the retry policy's total budget. Never raises for anything the server or the
         network does; raises `JudgeMachineryError` when the client was not started.
         """
         session = self._session
@@ -154,13 +156,16 @@ class ChatClient:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         waited = 0.0
         attempt = 0
+        spent = 0  # retries spent on failures other than a rate limit
         while True:
             attempt += 1
             outcome, retry_after = await self._attempt(session, url, data, headers, timeout, attempt, api_key)
             if isinstance(outcome, ChatReply):
                 return outcome
             failure = outcome
-            if not failure.retryable or attempt > max_retries:
+            if failure.kind != "rate_limited":
+                spent += 1
+            if not failure.retryable or spent > max_retries:
                 return failure
             delay = retry_after if retry_after is not None else self.retry.backoff(attempt - 1)
             budget = self.retry.max_total_wait_s - waited

@@ -39,6 +39,7 @@ from evalbus_gateway.api.models import (
 )
 from evalbus_gateway.api.online import ROUTES as ONLINE_ROUTES
 from evalbus_gateway.api.openapi import build_openapi
+from evalbus_gateway.api.placement import ROUTES as PLACEMENT_ROUTES
 from evalbus_gateway.api.reads import finalized_on_stream, list_batches
 from evalbus_gateway.api.rejudge import ROUTE as REJUDGE_ROUTE
 from evalbus_gateway.api.sse import stream_batch_events
@@ -411,6 +412,7 @@ ROUTES: tuple[Route, ...] = (
         responses={200: Body("The trajectory", Trajectory)},
     ),
     *LIVE_ROUTES,
+    *PLACEMENT_ROUTES,
     *ONLINE_ROUTES,
     *WEB_ROUTES,
     *MCP_ROUTES,
