@@ -65,6 +65,10 @@ bench:
       echo "== $f"; {{run}} python "$f"
     done
 
+# The reliability suite: every fault scenario as one table (lost, duplicated, stall); exit 1 on a miss.
+reliability *args:
+    {{run}} python bench/reliability.py --check {{args}}
+
 # Run every benchmark in bench/ with --check: exit 1 naming the benchmarks that missed a goal.
 bench-check:
     #!/usr/bin/env bash

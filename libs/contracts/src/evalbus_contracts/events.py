@@ -496,6 +496,7 @@ Event = (
     | LiveLog
     | LiveTrace
     | InfraMark
+    | LivePlacement
     | ObservationReceived
     | ObservationSpans
     | OnlineSuiteApplied
@@ -513,12 +514,12 @@ EVENT_TYPES: tuple[type[_Event], ...] = (
     CaseExecuted,
     CaseCollected,
     CaseJudged,
-    | LivePlacement
     CaseExported,
     CaseObserved,
     LiveLog,
     LiveTrace,
     InfraMark,
+    LivePlacement,
     ObservationReceived,
     ObservationSpans,
     OnlineSuiteApplied,
@@ -535,4 +536,3 @@ def _req(value: str | None, what: str) -> str:
     if not value:
         raise ValueError(f"this event needs a {what} to build its subject")
     return value
-    LivePlacement,
