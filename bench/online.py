@@ -5,7 +5,7 @@ Measured, in order:
 1. record() — `evalbus.online.Recorder.record()` called in this process, each call timed with
    `perf_counter_ns` (the timer's own cost is printed): the accepted path (a realistic observation:
    trace id, input, output, two metadata keys, a three-event trace; the queue large enough for every
-   call, the forwarder publishing to the benchmark's nats-server meanwhile, on the same GIL), the
+   call, the forwarder publishing meanwhile, on the same GIL, to a nats-server of its own), the
    drop path (a full queue of one item, NATS unreachable: every call is a `queue_full` drop) and,
    for reference, the sampled-out path (ratio 0.001). Median, p99 and mean µs.
 2. OTLP ingest — the five services as processes (`COLLECTOR_SETTLE_S` 0.2 s), one online suite
@@ -305,6 +305,7 @@ async def otlp_ingest(
     bodies, trace_ids = otlp_requests(args.traces, args.spans, args.traces_per_request)
     observed = await BatchWatch(nc, suite_id).start()
     judged = await BatchWatch(nc, f"online-{suite_id}").start()
+    await nc.flush()  # the subscriptions are in place on the server before anything is sent
     timeout_s = max(120.0, args.traces / 50)
     meter = CpuMeter(stack_pids(stack, infra)).start()
     started = time.monotonic()
@@ -423,6 +424,7 @@ def observation(i: int) -> dict[str, Any]:
 async def judged_throughput(stack: ServiceStack, infra: Infra, nc: NatsClient, suite_id: str, n: int) -> dict[str, Any]:
     """`n` observations recorded at once; first `record()` to the last `case.judged`."""
     judged = await BatchWatch(nc, f"online-{suite_id}").start()
+    await nc.flush()  # the subscriptions are in place on the server before anything is recorded
     recorder = recorder_for(stack, n)
     ids = [os.urandom(16).hex() for _ in range(n)]
     meter = CpuMeter(stack_pids(stack, infra)).start()
@@ -459,6 +461,7 @@ async def judged_latency(
     """Observations recorded at a paced `rate`: latency from `record()` to `case.judged`."""
     n = max(1, int(rate * seconds))
     judged = await BatchWatch(nc, f"online-{suite_id}").start()
+    await nc.flush()  # the subscriptions are in place on the server before anything is recorded
     recorder = recorder_for(stack, n)
     ids = [os.urandom(16).hex() for _ in range(n)]
     at: dict[str, float] = {}
@@ -495,8 +498,15 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         out["database"] = infra.database_source
         nc = await connect(infra.nats_url, "bench-online")
         try:
-            await ensure_topology(nc.jetstream())
-            out["record"] = await asyncio.to_thread(record_path, infra.nats_url, args.calls)
+            # record() publishes to a nats-server of its own: its observations must not become
+            # a backlog for the services measured next.
+            record_nats = infra.new_nats("record")
+            record_nc = await connect(record_nats.url, "bench-online-record")
+            try:
+                await ensure_topology(record_nc.jetstream())
+            finally:
+                await record_nc.close()
+            out["record"] = await asyncio.to_thread(record_path, record_nats.url, args.calls)
             stack = pipeline_stack(infra, "stack", service_env={"collector": {"COLLECTOR_SETTLE_S": "0.2"}})
             await asyncio.to_thread(stack.start_all)
             async with running(stack):
