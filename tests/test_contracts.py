@@ -330,6 +330,7 @@ EXPECTED_CONSUMERS: dict[str, set[str]] = {
     "live.log": set(),
     "live.trace": set(),
     "live.infra": set(),
+    "live.placement": set(),
     "obs.received": {"collector-observations"},
     "obs.spans": {"collector-spans"},
     "online.suite.applied": {_RECORDER},
@@ -341,7 +342,7 @@ EXPECTED_CONSUMERS: dict[str, set[str]] = {
 
 EXPECTED_STREAM: dict[str, str] = {
     **dict.fromkeys([t for t in EXPECTED_CONSUMERS if t.startswith(("batch.", "case.", "online."))], "CASES"),
-    **dict.fromkeys(["live.log", "live.trace", "live.infra"], "LIVE"),
+    **dict.fromkeys(["live.log", "live.trace", "live.infra", "live.placement"], "LIVE"),
     "obs.received": "OBSERVATIONS",
     "obs.spans": "OBSERVATIONS",
     "dlq": "DLQ",
