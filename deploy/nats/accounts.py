@@ -68,6 +68,8 @@ class ServiceUser:
     """Whether it subscribes without naming the stream (`$JS.API.STREAM.NAMES` lookup)."""
     publish_extra: tuple[Grant, ...] = field(default=())
     """Other subjects it publishes (key-value writes, terminal output)."""
+    own_streams: tuple[str, ...] = ()
+    """Streams only this service creates and reads (a key-value bucket of its own)."""
 
 
 SERVICES: tuple[ServiceUser, ...] = (
@@ -129,6 +131,11 @@ SERVICES: tuple[ServiceUser, ...] = (
         ),
         reads=("CASES",),
         finds_streams=True,
+        direct_gets=("KV_ONLINE_RATES",),
+        publish_extra=(
+            Grant("$KV.ONLINE_RATES.>", "online suites' rate caps, counted across replicas (online/rates.py)"),
+        ),
+        own_streams=("KV_ONLINE_RATES",),
     ),
     ServiceUser(
         name="judge",
@@ -154,6 +161,10 @@ def publish_grants(user: ServiceUser) -> list[Grant]:
     for stream in TOPOLOGY:
         for verb in ("CREATE", "UPDATE", "INFO"):
             grants.append(Grant(f"$JS.API.STREAM.{verb}.{stream}", "topology created at start"))
+    for stream in user.own_streams:
+        for verb in ("CREATE", "UPDATE", "INFO"):
+            grants.append(Grant(f"$JS.API.STREAM.{verb}.{stream}", "a bucket of its own, created at start"))
+        grants.append(Grant(f"$JS.API.STREAM.MSG.GET.{stream}", "key-value reads"))
     if user.finds_streams:
         grants.append(Grant("$JS.API.STREAM.NAMES", "stream lookup by subject (js.subscribe without a stream)"))
     get_streams: list[str] = []

@@ -1,0 +1,216 @@
+"""The users of deploy/nats/accounts.conf against a real nats-server: each service starts and does
+its work with its own user only, and what a user may not do is refused by the server.
+
+The server runs the deployment's own configuration (`jetstream.conf` + `accounts.conf`; one node,
+so without the cluster block), on free loopback ports given on the command line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import subprocess
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import nats
+import nats.errors
+import pytest
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+
+from evalbus.infra.nats import nats_server_binary
+from evalbus.infra.ports import free_port, wait_port
+from evalbus_collector.service import CollectorSettings, build_collector
+from evalbus_contracts import CaseExecuted, CasePlan, CaseResult, JsonlSink, decode_event
+from evalbus_dispatcher.service import DispatcherSettings, build_dispatcher
+from evalbus_exporter.service import ExporterSettings, build_exporter
+from evalbus_gateway.service import GatewaySettings, build_gateway
+from evalbus_judge.service import JudgeSettings, build_judge
+from evalbus_runtime import Publisher, Service, ensure_topology
+
+pytestmark = [pytest.mark.integration]
+
+NATS = Path(__file__).resolve().parents[1] / "deploy" / "nats"
+USERS = ("gateway", "dispatcher", "collector", "judge", "exporter", "ingest", "admin", "sys")
+
+
+@dataclass(frozen=True)
+class SecureNats:
+    """A nats-server running the deployment's accounts."""
+
+    port: int
+    passwords: dict[str, str]
+
+    def url(self, user: str) -> str:
+        """The NATS URL of `user`, credentials included (as the deployments' Secrets hold it)."""
+        return f"nats://{user}:{self.passwords[user]}@127.0.0.1:{self.port}"
+
+
+@pytest.fixture
+def secure_nats(tmp_path: Path) -> Iterator[SecureNats]:
+    conf = tmp_path / "nats.conf"
+    for name in ("jetstream.conf", "accounts.conf"):
+        (tmp_path / name).write_text((NATS / name).read_text(encoding="utf-8"), encoding="utf-8")
+    conf.write_text("include ./jetstream.conf\n", encoding="utf-8")
+    passwords = {user: uuid.uuid4().hex for user in USERS}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NATS_")}
+    env |= {f"NATS_PASSWORD_{u.upper()}": p for u, p in passwords.items()}
+    env |= {"SERVER_NAME": "secure", "NATS_STORE_DIR": str(tmp_path / "js"), "NATS_MAX_FILE_STORE": "1G"}
+    env["NATS_PID_FILE"] = str(tmp_path / "nats.pid")
+    port, monitor = free_port(), free_port()
+    args = [nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor)]
+    log = (tmp_path / "nats.log").open("w")
+    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        wait_port(port)
+        yield SecureNats(port=port, passwords=passwords)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@dataclass
+class Violations:
+    """Permission errors the server sent one connection."""
+
+    seen: list[str]
+    event: asyncio.Event
+
+
+@contextlib.asynccontextmanager
+async def connect_as(server: SecureNats, user: str) -> AsyncIterator[tuple[NatsClient, Violations]]:
+    """A raw connection as `user`, collecting the permission violations the server reports."""
+    violations = Violations([], asyncio.Event())
+
+    async def on_error(e: Exception) -> None:
+        if "permissions violation" in str(e).lower():  # nats-py reports the server's -ERR lower-cased
+            violations.seen.append(str(e).lower())
+            violations.event.set()
+
+    nc = await nats.connect(server.url(user), error_cb=on_error, allow_reconnect=False, connect_timeout=5)
+    try:
+        yield nc, violations
+    finally:
+        await nc.close()
+
+
+@contextlib.asynccontextmanager
+async def running(service: Service) -> AsyncIterator[Service]:
+    """`service` started (its streams, consumers and start hooks with its own user), then stopped."""
+    await asyncio.wait_for(service.start(), 30)
+    try:
+        yield service
+    finally:
+        await service.stop()
+
+
+def no_violations(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "permissions violation" in r.getMessage().lower()]
+
+
+async def test_admin_creates_the_topology(secure_nats: SecureNats) -> None:
+    async with connect_as(secure_nats, "admin") as (nc, violations):
+        await ensure_topology(nc.jetstream())
+        assert violations.seen == []
+
+
+async def test_the_judge_and_exporter_do_their_work_with_their_own_users(
+    secure_nats: SecureNats, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    judge = Service(JudgeSettings(service="judge", nats_url=secure_nats.url("judge"), http_port=0))
+    build_judge(judge, JudgeSettings(service="judge"))
+    exporter_settings = ExporterSettings(service="exporter", export_dir=str(tmp_path / "exports"))
+    exporter = Service(ExporterSettings(service="exporter", nats_url=secure_nats.url("exporter"), http_port=0))
+    build_exporter(exporter, exporter_settings)
+    batch = f"b{uuid.uuid4().hex[:8]}"
+    async with running(judge), running(exporter), connect_as(secure_nats, "admin") as (nc, _):
+        exported: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def on_exported(msg: Msg) -> None:
+            await exported.put(msg.data)
+
+        sub = await nc.subscribe(f"case.exported.{batch}.>", cb=on_exported)
+        publisher = Publisher(nc)
+        result = CaseResult(case_id="c1", run_id=f"evb-{batch}-c1", harness="h@1")
+        await publisher.publish_event(
+            CaseExecuted(
+                batch_id=batch,
+                case_id="c1",
+                run_id=result.run_id,
+                status="succeeded",
+                result=result,
+                plan=CasePlan(sinks=(JsonlSink(path="out.jsonl"),)),
+            )
+        )
+        event = decode_event(await asyncio.wait_for(exported.get(), 30))
+        assert event.type == "case.exported"
+        await sub.unsubscribe()
+        await publisher.stop()
+    assert no_violations(caplog) == []
+
+
+async def test_the_collector_dispatcher_and_gateway_start_with_their_own_users(
+    secure_nats: SecureNats, tmp_path: Path, database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    collector = Service(CollectorSettings(service="collector", nats_url=secure_nats.url("collector"), http_port=0))
+    build_collector(collector, CollectorSettings(service="collector", otlp_port=0))
+    dispatcher_settings = DispatcherSettings(service="dispatcher", slots=1, workdir_root=str(tmp_path / "work"))
+    dispatcher = Service(
+        DispatcherSettings(service="dispatcher", nats_url=secure_nats.url("dispatcher"), http_port=0, slots=1)
+    )
+    build_dispatcher(dispatcher, dispatcher_settings)
+    gateway_settings = GatewaySettings(
+        nats_url=secure_nats.url("gateway"), database_url=database_url, http_port=0, admin_token="t" * 32
+    )
+    gateway = Service(gateway_settings)
+    build_gateway(gateway, gateway_settings)
+    async with running(collector), running(dispatcher), running(gateway):
+        pass
+    assert no_violations(caplog) == []
+
+
+async def test_a_judge_cannot_publish_case_exported(secure_nats: SecureNats) -> None:
+    async with connect_as(secure_nats, "admin") as (admin, _):
+        await ensure_topology(admin.jetstream())
+    async with connect_as(secure_nats, "judge") as (nc, violations):
+        js = nc.jetstream()
+        ack = await js.publish("case.judged.b1.c1", b"{}")  # what it produces: stored
+        assert ack.stream == "CASES"
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+            await js.publish("case.exported.b1.c1", b"{}", timeout=2)
+        await asyncio.wait_for(violations.event.wait(), 5)
+        assert any('"case.exported.b1.c1"' in v for v in violations.seen)
+        assert all("for publish to" in v for v in violations.seen)
+
+
+async def test_the_exporter_cannot_read_batch_requested(secure_nats: SecureNats) -> None:
+    async with connect_as(secure_nats, "admin") as (admin, _):
+        await ensure_topology(admin.jetstream())
+        await admin.jetstream().publish("batch.requested.b1", b"{}")
+    async with connect_as(secure_nats, "exporter") as (nc, violations):
+        await nc.subscribe("batch.requested.>")
+        await asyncio.wait_for(violations.event.wait(), 5)
+        assert any("subscription" in v and "batch.requested.>" in v for v in violations.seen)
+        violations.event.clear()
+        # nor through JetStream: an ephemeral consumer on CASES is refused
+        with pytest.raises(nats.errors.TimeoutError):
+            await nc.jetstream().subscribe("batch.requested.>", stream="CASES", ordered_consumer=True)
+        await asyncio.wait_for(violations.event.wait(), 5)
+        assert any("$js.api.consumer.create.cases" in v for v in violations.seen)
+        # nor by pulling another service's consumer
+        violations.event.clear()
+        await nc.publish("$JS.API.CONSUMER.MSG.NEXT.CASES.dispatcher-batches", b'{"batch": 1}')
+        await asyncio.wait_for(violations.event.wait(), 5)
+        assert any("dispatcher-batches" in v for v in violations.seen)
