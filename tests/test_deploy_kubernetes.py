@@ -753,3 +753,12 @@ def test_the_nats_exporter_is_scraped_where_the_dashboard_expects_it() -> None:
         if services_monitor["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
     ]
     assert sorted(names) == sorted(f"evalbus-{s}" for s in SERVICES)
+
+
+def test_the_operator_guide_states_the_scaling_the_manifests_do() -> None:
+    guide = (REPO / "docs/deploy.md").read_text(encoding="utf-8")
+    for so in of_kind(render("prod"), "ScaledObject"):
+        for trigger in so["spec"]["triggers"]:
+            meta = trigger["metadata"]
+            row = f"`{meta['consumer']}` ({meta['stream']}) | {meta['lagThreshold']} |"
+            assert row in guide, f"docs/deploy.md's scaling table lacks {row}"
