@@ -23,7 +23,7 @@ import aiohttp
 import pytest
 from playwright.async_api import Browser, Page, async_playwright, expect
 
-from evalbus.testing.pipeline import Pipeline, open_pipeline, wait_path
+from evalbus.testing.pipeline import Pipeline, eventually, open_pipeline, wait_path
 from evalbus_contracts import AnswerMatchGrader, BatchSpec, CaseSpec, CommandHarness, SuiteSpec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -100,7 +100,7 @@ def phased_case(case_id: str, gates: Path | None) -> CaseSpec:
     phases = [first, {"stdout": [f"{case_id}: found it"], "stderr": [f"{case_id}: a warning"]}]
     return CaseSpec(
         id=case_id,
-        input=json.dumps({"phases": phases, "answer": "42"}),
+        input=json.dumps({"phases": phases, "answer": "42", "go_timeout_s": 240}),
         expected="42",
         graders=(AnswerMatchGrader(id="answer"),),
     )
@@ -186,3 +186,93 @@ async def test_a_cookie_session_cannot_write_without_the_csrf_header(pipeline: P
             assert resp.status == 200
         async with http.get(f"{p.stack.gateway_url}/v1/me") as resp:
             assert resp.status == 401
+
+
+async def test_an_online_suite_page_shows_its_scores_fates_and_chart(pipeline: Pipeline, browser: Browser) -> None:
+    p = pipeline
+    suite_id = f"web-{uuid.uuid4().hex[:6]}"
+    headers = {"Authorization": f"Bearer {p.stack.admin_token}"}
+    suite = {
+        "id": suite_id,
+        "target": {"service": "web-bot"},
+        "judges": [{"kind": "regex", "id": "polite", "pattern": "(?i)thank"}],
+    }
+    async with aiohttp.ClientSession(headers=headers) as http:
+        async with http.post(f"{p.stack.gateway_url}/v1/online/suites", json=suite) as resp:
+            assert resp.status == 201
+        traces = [uuid.uuid4().hex for _ in range(4)]
+
+        async def export(trace_id: str, answer: str) -> None:
+            span = {
+                "traceId": trace_id,
+                "spanId": uuid.uuid4().hex[:16],
+                "name": "handle",
+                "startTimeUnixNano": "1700000000000000000",
+                "endTimeUnixNano": "1700000001000000000",
+                "attributes": [{"key": "output.value", "value": {"stringValue": answer}}],
+            }
+            body = {
+                "resourceSpans": [
+                    {
+                        "resource": {"attributes": [{"key": "service.name", "value": {"stringValue": "web-bot"}}]},
+                        "scopeSpans": [{"spans": [span]}],
+                    }
+                ]
+            }
+            async with http.post(f"{p.stack.otlp_url}/v1/traces", json=body) as resp:
+                assert resp.status == 200
+
+        async def judged_count() -> int:
+            count = await p.pool.fetchval(
+                "SELECT count(*) FROM runs WHERE batch_id = $1 AND judged_status IS NOT NULL", f"online-{suite_id}"
+            )
+            return int(count)
+
+        # the collector learns the suite from the stream: send polite probes, one at a time (each
+        # waits for its own fate), until one is sampled for this suite
+        async def fates_of(trace_id: str) -> list[dict[str, str]]:
+            async with http.get(f"{p.stack.gateway_url}/v1/online/observations/{trace_id}") as resp:
+                return list((await resp.json())["fates"])
+
+        probes = 0
+        while True:
+            probe = uuid.uuid4().hex
+            await export(probe, "Thank you!")
+
+            async def decided(trace_id: str = probe) -> bool:
+                return bool(await fates_of(trace_id))
+
+            await eventually(decided, timeout_s=60, what="the probe's fate")
+            probes += 1
+            if any(f["suite_id"] == suite_id and f["fate"] == "sampled" for f in await fates_of(probe)):
+                break
+            assert probes < 20, "the collector never took the suite"
+        sampled_probes = 1
+
+        async def probe_judged() -> bool:
+            return await judged_count() == sampled_probes
+
+        await eventually(probe_judged, timeout_s=60, what="the sampled probe judged")
+        probes = sampled_probes
+        for trace_id, answer in zip(traces, ("Thank you", "Thanks a lot", "No.", "Thank you"), strict=True):
+            await export(trace_id, answer)
+
+        async def all_judged() -> bool:
+            return await judged_count() == probes + len(traces)
+
+        await eventually(all_judged, timeout_s=60, what="every trace judged")
+    n = probes + len(traces)
+    expected = f"{100 * (probes + 3) / n:.1f}% (n={n})"
+
+    page = await logged_in(browser, p)
+    await page.goto(f"{p.stack.gateway_url}/#/online")
+    await page.locator(f'tr[data-suite="{suite_id}"] a').click()
+    await expect(page.locator("h1")).to_have_text(f"Online suite {suite_id}")
+    await expect(page.get_by_test_id("online-metrics")).to_contain_text("judge:polite")
+    await expect(page.get_by_test_id("online-metrics")).to_contain_text(expected)
+    chart = page.locator('svg[aria-label="pass rate by hour, last 24 h"]')
+    await expect(chart.locator("polyline")).to_have_count(1)
+    await expect(page.get_by_test_id("online-fates")).to_contain_text("judged")
+    await expect(page.get_by_test_id("online-recent").locator("tbody tr")).to_have_count(min(n, 20))
+    await shot(page, "07-online-suite")
+    await page.close()

@@ -3,8 +3,8 @@
 The input is a JSON object: `phases`, a list of `{"stdout": [...], "stderr": [...], "events": n,
 "ready": path, "go": path}`, run in order. Each phase writes its stdout lines (flushing each),
 its stderr lines, `n` tool-call trace events (`EVALBUS_EVENT` lines), then creates `ready` and
-waits until `go` exists (30 s, else exit 3) — so a test reads the live views of a run that is
-still running, between phases. After the last phase: `answer` as an `EVALBUS_RESULT` line, then
+waits until `go` exists (`go_timeout_s` of the task, default 30 s, else exit 3) — so a test reads
+the live views of a run that is still running, between phases. After the last phase: `answer` as an `EVALBUS_RESULT` line, then
 exit with `exit_code` (default 0). `cwd_file`, when given, gets the agent's working directory
 first (a test checks the sandbox is gone afterwards).
 """
@@ -39,7 +39,7 @@ def main() -> int:
             partial.write_text(str(os.getpid()))
             partial.replace(phase["ready"])  # atomically: a test waiting for it never reads it empty
         if "go" in phase:
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + float(task.get("go_timeout_s", 30))
             while not Path(phase["go"]).exists():
                 if time.monotonic() > deadline:
                     print(f"gave up waiting for {phase['go']}", file=sys.stderr)

@@ -42,9 +42,11 @@ from evalbus_gateway.store.online import (
     FateView,
     JudgedObservation,
     MetricWindow,
+    SeriesPoint,
     fate_counts,
     observation_fates,
     recent_judged,
+    suite_series,
     suite_windows,
 )
 from evalbus_runtime.follow import read_last
@@ -80,6 +82,8 @@ class OnlineSuiteDetail(msgspec.Struct, frozen=True, kw_only=True):
     applied_at: datetime
     metrics: list[MetricWindow]
     """Per metric and window (hour, day, week): count, mean, pass rate."""
+    series: list[SeriesPoint] = msgspec.field(default_factory=list)
+    """Per metric and hour of the last 24 hours: count, mean, pass rate (the dashboard's chart)."""
     fates: list[FateCount]
     """Observations per fate and reason."""
     recent: list[JudgedObservation]
@@ -189,6 +193,7 @@ async def get_suite(call: Call) -> web.StreamResponse:
             applied_by=view.applied_by,
             applied_at=view.applied_at,
             metrics=await suite_windows(pool, suite_id),
+            series=await suite_series(pool, suite_id),
             fates=await fate_counts(pool, suite_id),
             recent=await recent_judged(pool, suite_id),
         )

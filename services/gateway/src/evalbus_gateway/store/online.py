@@ -70,6 +70,17 @@ class MetricWindow(msgspec.Struct, frozen=True, kw_only=True):
     """Passed ÷ scores with a pass/fail (None: none has one)."""
 
 
+class SeriesPoint(msgspec.Struct, frozen=True, kw_only=True):
+    """One metric over one hour of judged observations."""
+
+    metric: str
+    hour: datetime
+    """Start of the hour (UTC)."""
+    count: int
+    mean: float | None
+    pass_rate: float | None
+
+
 class JudgedObservation(msgspec.Struct, frozen=True, kw_only=True):
     """A recently judged observation."""
 
@@ -110,6 +121,19 @@ FROM runs r, jsonb_array_elements(coalesce(r.scores, '[]'::jsonb)) AS s(value)
 WHERE r.batch_id = $1 AND r.judged_at >= now() - $2::interval AND s.value->>'status' = 'measured'
 GROUP BY 1
 ORDER BY 1
+"""
+
+_SERIES = """
+SELECT s.value->>'metric' AS metric,
+       date_trunc('hour', r.judged_at) AS hour,
+       count(*) AS n,
+       avg((s.value->>'value')::double precision) AS mean,
+       count(*) FILTER (WHERE s.value ? 'pass') AS with_pass,
+       count(*) FILTER (WHERE (s.value->>'pass')::boolean) AS passed
+FROM runs r, jsonb_array_elements(coalesce(r.scores, '[]'::jsonb)) AS s(value)
+WHERE r.batch_id = $1 AND r.judged_at >= now() - $2::interval AND s.value->>'status' = 'measured'
+GROUP BY 1, 2
+ORDER BY 1, 2
 """
 
 _RECENT = """
@@ -167,6 +191,26 @@ async def suite_windows(db: Database, suite_id: str) -> list[MetricWindow]:
                         pass_rate=int(r["passed"]) / with_pass if with_pass else None,
                     )
                 )
+    return out
+
+
+async def suite_series(db: Database, suite_id: str, hours: int = 24) -> list[SeriesPoint]:
+    """Per metric and hour of the last `hours`: count, mean and pass rate (hours without a judged
+    observation are absent)."""
+    async with acquire(db) as conn:
+        rows = await conn.fetch(_SERIES, ONLINE_BATCH_PREFIX + suite_id, timedelta(hours=hours))
+    out: list[SeriesPoint] = []
+    for r in rows:
+        with_pass = int(r["with_pass"])
+        out.append(
+            SeriesPoint(
+                metric=r["metric"],
+                hour=r["hour"],
+                count=int(r["n"]),
+                mean=None if r["mean"] is None else float(r["mean"]),
+                pass_rate=int(r["passed"]) / with_pass if with_pass else None,
+            )
+        )
     return out
 
 

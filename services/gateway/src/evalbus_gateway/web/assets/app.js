@@ -318,6 +318,50 @@ function barChart(pairs, title) {
   return svg;
 }
 
+function lineChart(points, title) {
+  // one line per metric: the pass rate (else the mean) per hour over the last 24 hours
+  const width = 560, height = 200, left = 40, right = 110, top = 24, bottom = 28;
+  const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
+  svg.setAttribute("class", "chart");
+  svg.setAttribute("width", width);
+  svg.setAttribute("height", height);
+  svg.setAttribute("role", "img");
+  svg.setAttribute("aria-label", title);
+  const node = (tag, attrs, text) => {
+    const n = document.createElementNS(svg.namespaceURI, tag);
+    for (const [k, v] of Object.entries(attrs)) n.setAttribute(k, v);
+    if (text !== undefined) n.textContent = text;
+    svg.append(n);
+    return n;
+  };
+  node("text", { x: 8, y: 16 }, title);
+  const end = Date.now(), start = end - 24 * 3600 * 1000;
+  const x = (t) => left + ((t - start) / (end - start)) * (width - left - right);
+  const y = (v) => top + (1 - v) * (height - top - bottom);
+  node("line", { x1: left, y1: y(0), x2: width - right, y2: y(0), stroke: "#e2e5ec" });
+  node("line", { x1: left, y1: y(1), x2: width - right, y2: y(1), stroke: "#e2e5ec" });
+  node("text", { x: left - 6, y: y(1) + 4, "text-anchor": "end" }, "100%");
+  node("text", { x: left - 6, y: y(0) + 4, "text-anchor": "end" }, "0%");
+  node("text", { x: left, y: height - 8 }, new Date(start).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" }));
+  node("text", { x: width - right, y: height - 8, "text-anchor": "end" }, "now");
+  const colors = ["#2f6fd6", "#1f8f4e", "#b7791f", "#c0392b", "#6b3fa0"];
+  const byMetric = new Map();
+  for (const p of points) {
+    const value = p.pass_rate ?? (p.mean !== null && p.mean >= 0 && p.mean <= 1 ? p.mean : null);
+    if (value === null) continue;
+    if (!byMetric.has(p.metric)) byMetric.set(p.metric, []);
+    byMetric.get(p.metric).push([new Date(p.hour).getTime() + 30 * 60 * 1000, value]);
+  }
+  [...byMetric.entries()].forEach(([metric, pts], i) => {
+    const color = colors[i % colors.length];
+    pts.sort((a, b) => a[0] - b[0]);
+    node("polyline", { points: pts.map(([t, v]) => `${x(t)},${y(v)}`).join(" "), fill: "none", stroke: color, "stroke-width": 2 });
+    for (const [t, v] of pts) node("circle", { cx: x(t), cy: y(v), r: 3, fill: color });
+    node("text", { x: width - right + 8, y: top + 14 * i + 10, fill: color }, metric);
+  });
+  return svg;
+}
+
 // ------------------------------------------------------------------ a run
 
 function describe(event) {
@@ -453,7 +497,7 @@ async function onlineSuiteView(suiteId) {
           const c = cell(metric, w);
           return el("td", { class: "num" }, c ? `${c.pass_rate != null ? fmt(c.pass_rate, true) : fmt(c.mean)} (n=${c.count})` : "–");
         }))))),
-      barChart(metrics.map((metric) => [metric, cell(metric, "hour")?.pass_rate]).filter(([, v]) => v != null), "pass rate, last hour"))
+      lineChart(detail.series || [], "pass rate by hour, last 24 h"))
       : el("p", { class: "empty" }, "Nothing judged yet."),
     el("h2", {}, "What became of every observation"),
     el("table", { "data-testid": "online-fates" },
