@@ -39,8 +39,10 @@ class ConsumerDef(msgspec.Struct, frozen=True, kw_only=True):
     """Stream it reads."""
     filter_subjects: tuple[str, ...]
     """Subjects it receives."""
-    ack_wait_s: float = 30.0
-    """Redelivery after this long without ack or `in_progress`."""
+    ack_wait_s: float = 10.0
+    """Redelivery after this long without ack or `in_progress`: how long the messages a dead
+    replica held wait before another replica gets them. Healthy replicas send `in_progress` every
+    third of it, so it can be short; 10 s bounds the stall after a crash (issue 13's goal)."""
     max_deliver: int = 5
     """Deliveries before the message is given up (and copied to the DLQ)."""
     max_ack_pending: int = 1000
@@ -94,6 +96,7 @@ COLLECTOR_SPANS = ConsumerDef(
     filter_subjects=("obs.spans.>",),
     max_ack_pending=100_000,
     max_deliver=10,
+    ack_wait_s=30.0,
 )
 """Span batches held (unacknowledged, kept alive by `in_progress`) until their trace is assembled."""
 COLLECTOR_DEAD_LETTERS = ConsumerDef(
@@ -105,10 +108,9 @@ JUDGE_CASES = ConsumerDef(
     stream="CASES",
     filter_subjects=("case.executed.>", "case.collected.>", "case.observed.>"),
     max_ack_pending=4,
-    ack_wait_s=60.0,
 )
 EXPORTER_CASES = ConsumerDef(
-    durable="exporter-cases", stream="CASES", filter_subjects=("case.judged.>",), max_ack_pending=2, ack_wait_s=60.0
+    durable="exporter-cases", stream="CASES", filter_subjects=("case.judged.>",), max_ack_pending=2
 )
 GATEWAY_RECORDER = ConsumerDef(
     durable="gateway-recorder",
