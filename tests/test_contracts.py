@@ -336,12 +336,13 @@ EXPECTED_CONSUMERS: dict[str, set[str]] = {
     "online.suite.applied": {_RECORDER},
     "online.suite.deleted": {_RECORDER},
     "online.fate": {_RECORDER},
+    "suite.baseline.set": {_RECORDER},
     "dlq": {"collector-dead-letters"},
 }
 """Which durable consumers must receive each event type: no more, no fewer."""
 
 EXPECTED_STREAM: dict[str, str] = {
-    **dict.fromkeys([t for t in EXPECTED_CONSUMERS if t.startswith(("batch.", "case.", "online."))], "CASES"),
+    **dict.fromkeys([t for t in EXPECTED_CONSUMERS if t.startswith(("batch.", "case.", "online.", "suite."))], "CASES"),
     **dict.fromkeys(["live.log", "live.trace", "live.infra", "live.placement"], "LIVE"),
     "obs.received": "OBSERVATIONS",
     "obs.spans": "OBSERVATIONS",
@@ -417,7 +418,7 @@ def test_batch_filter_selects_exactly_one_batch(data: st.DataObject, other: str)
                 for k in EVENT_TYPES
                 if EXPECTED_STREAM[str(k.__struct_config__.tag)] == "CASES"
                 and k.__struct_config__.tag != "case.observed"
-                and not str(k.__struct_config__.tag).startswith("online.")
+                and not str(k.__struct_config__.tag).startswith(("online.", "suite."))
             ]
         )
     )

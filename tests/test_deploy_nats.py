@@ -129,6 +129,7 @@ EVENT_SUBJECTS = {
     subjects.OBS_SPANS: subjects.spans_subject("svc"),
     subjects.ONLINE_SUITE: subjects.online_suite_subject("s1"),
     subjects.ONLINE_FATE: subjects.online_fate_subject("o1"),
+    subjects.SUITE_BASELINE: subjects.suite_baseline_subject("s1"),
     "live": subjects.live_subject("evb-b1-c1", "log"),
 }
 """One subject of every kind of event, built by the subjects module."""
@@ -139,6 +140,7 @@ PRODUCERS = {
         subjects.BATCH_CANCELLED,
         subjects.BATCH_FINALIZED,
         subjects.ONLINE_SUITE,
+        subjects.SUITE_BASELINE,
         # a re-judge replays a finalized batch's executed and collected cases into a new batch
         subjects.CASE_EXECUTED,
         subjects.CASE_COLLECTED,

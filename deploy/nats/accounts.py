@@ -83,6 +83,7 @@ SERVICES: tuple[ServiceUser, ...] = (
             Grant("case.executed.>", "re-judge replays a batch's executed cases (CaseExecuted)"),
             Grant("case.collected.>", "re-judge replays a batch's collected cases (CaseCollected)"),
             Grant("online.suite.>", "online suites applied and deleted (OnlineSuiteApplied/Deleted)"),
+            Grant("suite.baseline.>", "suite baselines set (SuiteBaselineSet)"),
         ),
         reads=("CASES", "LIVE", "KV_dispatchers", "KV_terminal-tickets"),
         subscribes=(Grant("term.*.out", "terminal output from the dispatcher holding the run"),),

@@ -109,7 +109,7 @@ job "evalbus-nats" {
 
       env {
         SERVER_NAME         = "evalbus-nats-${NOMAD_ALLOC_INDEX}"
-        NATS_STORE_DIR      = "/data/jetstream"
+        NATS_STORE_DIR      = "/data"
         NATS_MAX_FILE_STORE = var.max_file_store
         NATS_PID_FILE       = "/local/nats.pid"
       }

@@ -454,6 +454,27 @@ class ObservationFate(_Event, frozen=True, kw_only=True, tag="online.fate"):
         return f"{self.type}:{self.suite_id or '-'}:{self.observation_id}:{self.fate}"
 
 
+# ---------------------------------------------------------------- suites
+
+
+class SuiteBaselineSet(_Event, frozen=True, kw_only=True, tag="suite.baseline.set"):
+    """A suite's baseline batch was set (the last event on the suite's subject holds): comparisons
+    and regression gates of the suite's batches compare against it unless told otherwise."""
+
+    suite_id: str
+    """The suite."""
+    baseline: str
+    """The baseline batch (finalized `succeeded`, of this suite)."""
+    by: str
+    """Principal that set it."""
+
+    def subject(self) -> str:
+        return s.suite_baseline_subject(self.suite_id)
+
+    def msg_id(self) -> str:
+        return f"{self.type}:{self.suite_id}:{self.event_id}"
+
+
 class DeadLetter(_Event, frozen=True, kw_only=True, tag="dlq"):
     """A message a service could not handle, with the reason and the raw payload."""
 
@@ -502,6 +523,7 @@ Event = (
     | OnlineSuiteApplied
     | OnlineSuiteDeleted
     | ObservationFate
+    | SuiteBaselineSet
     | DeadLetter
 )
 """Any event, discriminated on `type`."""
@@ -525,6 +547,7 @@ EVENT_TYPES: tuple[type[_Event], ...] = (
     OnlineSuiteApplied,
     OnlineSuiteDeleted,
     ObservationFate,
+    SuiteBaselineSet,
     DeadLetter,
 )
 

@@ -354,6 +354,23 @@ class BatchPolicy(_Spec, frozen=True, kw_only=True):
     """Retries of retryable infrastructure failures per run."""
 
 
+class RegressionGate(_Spec, frozen=True, kw_only=True):
+    """A CI gate against a baseline batch: it fails when any named metric (or `verdicts`)
+    regresses significantly — its Benjamini–Hochberg q-value in the comparison is below 0.05 and
+    its delta goes the wrong way."""
+
+    no_significant_regression: tuple[str, ...]
+    """Metric names (or `verdicts`) that must not regress significantly."""
+    baseline: str | None = None
+    """The batch to compare against; default: the suite's baseline (`evalbus baseline set`)."""
+
+
+GateSpec = str | RegressionGate
+"""A CI gate: a threshold expression (`verdicts.pass_rate >= 0.8`, `metric.cost_usd.mean <= 0.05`,
+`metric.answer_match.pass_rate.ci_low > 0.6`, `pass@3 >= 0.9`…) or a regression gate (also
+written `no_significant_regression: answer_match, verdicts`)."""
+
+
 class BatchSpec(_Spec, frozen=True, kw_only=True):
     """A batch as submitted to the gateway."""
 
@@ -371,6 +388,9 @@ class BatchSpec(_Spec, frozen=True, kw_only=True):
     """Free labels."""
     supersede_key: str | None = None
     """Submitting another batch with this key supersedes open batches with the same key."""
+    gates: tuple[GateSpec, ...] = ()
+    """CI gates `evalbus run` checks once the batch has finalized, each printed pass/fail with what
+    it measured; any failing gate makes it exit 3."""
 
 
 # ---------------------------------------------------------------- online evaluation

@@ -64,7 +64,7 @@ class KvDef(msgspec.Struct, frozen=True, kw_only=True):
     """Largest value accepted, bytes (-1: server limit)."""
 
 
-CASES = StreamDef(name="CASES", subjects=("batch.>", "case.>", "online.>"), duplicate_window_s=3600.0)
+CASES = StreamDef(name="CASES", subjects=("batch.>", "case.>", "online.>", "suite.>"), duplicate_window_s=3600.0)
 LIVE = StreamDef(
     name="LIVE", subjects=("run.*.live.>",), max_age_s=15 * 60.0, max_msgs_per_subject=2000, duplicate_window_s=120.0
 )
@@ -115,7 +115,7 @@ EXPORTER_CASES = ConsumerDef(
 GATEWAY_RECORDER = ConsumerDef(
     durable="gateway-recorder",
     stream="CASES",
-    filter_subjects=("batch.>", "case.>", "online.>"),
+    filter_subjects=("batch.>", "case.>", "online.>", "suite.>"),
     max_ack_pending=20000,
 )
 

@@ -17,6 +17,7 @@ OBS_RECEIVED = "obs.received"
 OBS_SPANS = "obs.spans"
 ONLINE_SUITE = "online.suite"
 ONLINE_FATE = "online.fate"
+SUITE_BASELINE = "suite.baseline"
 
 
 def batch_subject(kind: str, batch_id: str) -> str:
@@ -63,6 +64,11 @@ def online_suite_subject(suite_id: str) -> str:
 def online_fate_subject(observation_id: str) -> str:
     """`online.fate.<observation>`: what became of one observation, per suite."""
     return f"{ONLINE_FATE}.{encode_token(observation_id)}"
+
+
+def suite_baseline_subject(suite_id: str) -> str:
+    """`suite.baseline.<suite>`: the baseline batches of one suite (the last one holds)."""
+    return f"{SUITE_BASELINE}.{encode_token(suite_id)}"
 
 
 def dlq_subject(service: str) -> str:

@@ -162,6 +162,12 @@ class Comparison(msgspec.Struct, frozen=True, kw_only=True):
     """Base batch id."""
     candidate: str
     """Candidate batch id."""
+    base_suite: str | None = None
+    """The base batch's suite."""
+    candidate_suite: str | None = None
+    """The candidate batch's suite."""
+    baseline: bool = False
+    """The base is the candidate suite's baseline (no base was named)."""
     alpha: float = DEFAULT_ALPHA
     """False discovery rate of `significant`."""
     metrics: tuple[MetricComparison, ...] = ()

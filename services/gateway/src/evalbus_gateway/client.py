@@ -22,6 +22,7 @@ import aiohttp
 import msgspec
 
 from evalbus_contracts import BatchSpec, Event, JudgeSpec, OnlineSuiteSpec, decode, decode_event, encode
+from evalbus_gateway.api.compare import BaselineRequest, BaselineView
 from evalbus_gateway.api.models import BatchAccepted, BatchPage, CancelAccepted, CasePage, ErrorBody, Me
 from evalbus_gateway.api.online import (
     ObservationAnswer,
@@ -34,6 +35,7 @@ from evalbus_gateway.api.online import (
 from evalbus_gateway.live.placement import RunPlacement
 from evalbus_gateway.live.views import LiveTraceView, LogTail
 from evalbus_gateway.store.queries import BatchView, RunView, Stage, Trajectory
+from evalbus_grading.compare import Comparison
 
 T = TypeVar("T")
 
@@ -262,6 +264,21 @@ class GatewayClient:
     async def placement(self, run_id: str) -> RunPlacement:
         """Where a run's sandbox is and why (queued, blocked, starting, running, dead)."""
         return await self._call("GET", f"/v1/runs/{_quote(run_id)}/placement", RunPlacement)
+
+    # ------------------------------------------------------------ comparing
+
+    async def compare(self, candidate: str, base: str | None = None) -> Comparison:
+        """The candidate batch against `base` (default: the candidate suite's baseline)."""
+        return await self._call("GET", "/v1/compare", Comparison, params=_params(candidate=candidate, base=base))
+
+    async def baseline(self, suite_id: str) -> BaselineView:
+        """A suite's baseline (404 `not_found` when none is set)."""
+        return await self._call("GET", f"/v1/suites/{_quote(suite_id)}/baseline", BaselineView)
+
+    async def set_baseline(self, suite_id: str, batch_id: str) -> BaselineView:
+        """Make `batch_id` the suite's baseline (409 for a batch that did not succeed)."""
+        body = BaselineRequest(batch_id=batch_id)
+        return await self._call("PUT", f"/v1/suites/{_quote(suite_id)}/baseline", BaselineView, body=body)
 
     # ------------------------------------------------------------ online evaluation
 

@@ -21,6 +21,7 @@ from aiohttp.typedefs import Handler
 from evalbus_contracts import BatchCancelled, BatchRequested, BatchSpec, encode
 from evalbus_gateway.api.access import visible_batch, visible_run
 from evalbus_gateway.api.auth import Principal, authenticate, require_admin
+from evalbus_gateway.api.compare import ROUTES as COMPARE_ROUTES
 from evalbus_gateway.api.errors import ApiError, error_middleware, not_found
 from evalbus_gateway.api.live import ROUTES as LIVE_ROUTES
 from evalbus_gateway.api.live import live_trace_link
@@ -412,6 +413,7 @@ ROUTES: tuple[Route, ...] = (
         responses={200: Body("The trajectory", Trajectory)},
     ),
     *LIVE_ROUTES,
+    *COMPARE_ROUTES,
     *PLACEMENT_ROUTES,
     *ONLINE_ROUTES,
     *WEB_ROUTES,

@@ -6,7 +6,8 @@ outside a fixed set is a 400 naming its path and the nearest known key, although
 decode leniently on the bus (events must stay readable by older replicas).
 
 `check_batch_spec` is pure: the rules msgspec's types cannot express (unique ids, ranges, regexes
-that compile, judge ids without `:`), each reported at the JSON path of the offending value.
+that compile, judge ids without `:`, gates that parse), each reported at the JSON path of the
+offending value.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from aiohttp import web
 from evalbus_contracts import BatchSpec, CommandGrader, JudgeSpec, RegexJudge, TextMetricGrader, decode
 from evalbus_contracts.strict import StrictProblem, strict_problems
 from evalbus_gateway.api.errors import ApiError, invalid
+from evalbus_grading.gates import gate_problems
 
 T = TypeVar("T")
 
@@ -186,6 +188,7 @@ def batch_spec_problems(spec: BatchSpec) -> list[SpecProblem]:
         out.append(SpecProblem("$.policy.concurrency", "a per-batch sandbox limit is not supported yet: use 0"))
     if spec.supersede_key is not None:
         out.append(_id_problem(spec.supersede_key, "$.supersede_key", "supersede key"))
+    out.extend(SpecProblem(field, message) for field, message in gate_problems(spec.gates, "$.gates"))
     return [p for p in out if p is not None]
 
 
