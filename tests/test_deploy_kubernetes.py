@@ -598,12 +598,14 @@ def test_scaled_objects_scale_each_service_on_its_own_consumers(overlay: str) ->
     params = {ref["parameter"]: ref for ref in auth["spec"]["configMapTargetRef"]}
     assert set(params) == {"natsServerMonitoringEndpoint", "account"}
     keda = find(docs, "ConfigMap", params["natsServerMonitoringEndpoint"]["name"])["data"]
-    namespace = find(docs, "Service", "evalbus-nats")["metadata"]["namespace"]
-    monitor = {p["name"]: p["port"] for p in find(docs, "Service", "evalbus-nats")["spec"]["ports"]}["monitor"]
-    # KEDA runs in its own namespace: the endpoint is the full name of this namespace's NATS.
-    assert (
-        keda[params["natsServerMonitoringEndpoint"]["key"]] == f"evalbus-nats.{namespace}.svc.cluster.local:{monitor}"
-    )
+    nats = find(docs, "StatefulSet", "evalbus-nats")
+    headless = find(docs, "Service", nats["spec"]["serviceName"])
+    namespace = headless["metadata"]["namespace"]
+    monitor = {p["name"]: p["port"] for p in headless["spec"]["ports"]}["monitor"]
+    # KEDA runs in its own namespace: the endpoint is the full name of this namespace's NATS; the
+    # headless Service, because on a cluster the scaler reaches each node as <pod>.<endpoint host>.
+    endpoint = f"{headless['metadata']['name']}.{namespace}.svc.cluster.local:{monitor}"
+    assert keda[params["natsServerMonitoringEndpoint"]["key"]] == endpoint
     assert keda[params["account"]["key"]] == "EVALBUS"
     for so in of_kind(docs, "ScaledObject"):
         spec = so["spec"]

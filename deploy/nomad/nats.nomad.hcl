@@ -143,6 +143,8 @@ job "evalbus-nats" {
         {{- end }}
           ]
           connect_retries: 120
+          # Clients list every node in NATS_URL, each with its credentials (docs/deploy.md).
+          no_advertise: true
         }
         EOT
         destination   = "local/nats.conf"
