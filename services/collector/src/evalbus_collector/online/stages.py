@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import msgspec
 
@@ -20,27 +19,13 @@ from evalbus_collector.online.observation import observation_of
 from evalbus_collector.online.rates import RateCaps, RateCapUnavailableError
 from evalbus_collector.online.receiver import OtlpReceiver, ReceiverMetrics
 from evalbus_collector.online.suites import SuiteRegistry
+from evalbus_collector.settings import CollectorSettings
 from evalbus_contracts import DeadLetter, ObservationFate, ObservationReceived, ObservationSpans, encode, utcnow
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import COLLECTOR_DEAD_LETTERS, COLLECTOR_OBSERVATIONS, COLLECTOR_SPANS
 from evalbus_runtime import Delivery, Retry, Service, Stage
 
 log = logging.getLogger("evalbus.collector.online")
-
-
-@dataclass(frozen=True)
-class OnlineSettings:
-    """The online part of the collector's settings."""
-
-    otlp_host: str = "127.0.0.1"
-    otlp_port: int = 4318
-    otlp_max_body_bytes: int = 4 * 1024 * 1024
-    otlp_max_in_flight: int = 64
-    settle_s: float = 5.0
-    max_wait_s: float = 60.0
-    spans_concurrency: int = 20_000
-    observations_concurrency: int = 64
-    observation_max_bytes: int = 900_000
 
 
 def _late(batch: ObservationSpans, detail: str) -> ObservationFate:
@@ -57,7 +42,7 @@ def _late(batch: ObservationSpans, detail: str) -> ObservationFate:
 class OnlineIngest:
     """The collector's online stages and their resources."""
 
-    def __init__(self, service: Service, settings: OnlineSettings) -> None:
+    def __init__(self, service: Service, settings: CollectorSettings) -> None:
         self._service = service
         self._settings = settings
         self.suites = SuiteRegistry()
@@ -215,9 +200,3 @@ def apply_caps(fates: Sequence[ObservationFate], capped: set[str]) -> list[Obser
 def _retrieve(future: asyncio.Future[None]) -> None:
     if not future.cancelled():
         future.exception()
-
-
-def online_settings(values: object) -> OnlineSettings:
-    """The online settings out of the collector's settings object."""
-    fields = {f: getattr(values, f) for f in OnlineSettings.__dataclass_fields__}
-    return msgspec.convert(fields, OnlineSettings)
