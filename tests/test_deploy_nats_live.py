@@ -1,5 +1,7 @@
 """The users of deploy/nats/accounts.conf against a real nats-server: each service starts and does
-its work with its own user only, and what a user may not do is refused by the server.
+its work with its own user only, and what a user may not do is refused by the server; with
+deploy/nats/tls.conf and a self-signed CA, the chassis connects over TLS and a plain client is
+refused.
 
 The server runs the deployment's own configuration (`jetstream.conf` + `accounts.conf`; one node,
 so without the cluster block), on free loopback ports given on the command line.
@@ -31,7 +33,7 @@ from evalbus_dispatcher.service import DispatcherSettings, build_dispatcher
 from evalbus_exporter.service import ExporterSettings, build_exporter
 from evalbus_gateway.service import GatewaySettings, build_gateway
 from evalbus_judge.service import JudgeSettings, build_judge
-from evalbus_runtime import Publisher, Service, ensure_topology
+from evalbus_runtime import Publisher, Service, connect, ensure_topology
 
 pytestmark = [pytest.mark.integration]
 
@@ -45,30 +47,37 @@ class SecureNats:
 
     port: int
     passwords: dict[str, str]
+    scheme: str = "nats"
 
-    def url(self, user: str) -> str:
+    def url(self, user: str, scheme: str | None = None) -> str:
         """The NATS URL of `user`, credentials included (as the deployments' Secrets hold it)."""
-        return f"nats://{user}:{self.passwords[user]}@127.0.0.1:{self.port}"
+        return f"{scheme or self.scheme}://{user}:{self.passwords[user]}@127.0.0.1:{self.port}"
 
 
-@pytest.fixture
-def secure_nats(tmp_path: Path) -> Iterator[SecureNats]:
-    conf = tmp_path / "nats.conf"
-    for name in ("jetstream.conf", "accounts.conf"):
-        (tmp_path / name).write_text((NATS / name).read_text(encoding="utf-8"), encoding="utf-8")
-    conf.write_text("include ./jetstream.conf\n", encoding="utf-8")
+@contextlib.contextmanager
+def start_secure_nats(folder: Path, tls: Path | None = None) -> Iterator[SecureNats]:
+    """nats-server with deploy/nats's jetstream.conf and accounts.conf (and tls.conf with the
+    certificates in `tls`: tls.crt, tls.key, ca.crt)."""
+    includes = ["jetstream.conf", "accounts.conf", *(["tls.conf"] if tls else [])]
+    for name in includes:
+        (folder / name).write_text((NATS / name).read_text(encoding="utf-8"), encoding="utf-8")
+    conf = folder / "nats.conf"
+    conf.write_text("".join(f"include ./{n}\n" for n in includes if n != "accounts.conf"), encoding="utf-8")
     passwords = {user: uuid.uuid4().hex for user in USERS}
     env = {k: v for k, v in os.environ.items() if not k.startswith("NATS_")}
     env |= {f"NATS_PASSWORD_{u.upper()}": p for u, p in passwords.items()}
-    env |= {"SERVER_NAME": "secure", "NATS_STORE_DIR": str(tmp_path / "js"), "NATS_MAX_FILE_STORE": "1G"}
-    env["NATS_PID_FILE"] = str(tmp_path / "nats.pid")
+    env |= {"SERVER_NAME": "secure", "NATS_STORE_DIR": str(folder / "js"), "NATS_MAX_FILE_STORE": "1G"}
+    env["NATS_PID_FILE"] = str(folder / "nats.pid")
+    if tls is not None:
+        env |= {"NATS_TLS_CERT": str(tls / "tls.crt"), "NATS_TLS_KEY": str(tls / "tls.key")}
+        env["NATS_TLS_CA"] = str(tls / "ca.crt")
     port, monitor = free_port(), free_port()
     args = [nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor)]
-    log = (tmp_path / "nats.log").open("w")
+    log = (folder / "nats.log").open("w")
     proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         wait_port(port)
-        yield SecureNats(port=port, passwords=passwords)
+        yield SecureNats(port=port, passwords=passwords, scheme="tls" if tls else "nats")
     finally:
         proc.terminate()
         try:
@@ -77,6 +86,12 @@ def secure_nats(tmp_path: Path) -> Iterator[SecureNats]:
             proc.kill()
             proc.wait()
         log.close()
+
+
+@pytest.fixture
+def secure_nats(tmp_path: Path) -> Iterator[SecureNats]:
+    with start_secure_nats(tmp_path) as server:
+        yield server
 
 
 @dataclass
@@ -214,3 +229,43 @@ async def test_the_exporter_cannot_read_batch_requested(secure_nats: SecureNats)
         await nc.publish("$JS.API.CONSUMER.MSG.NEXT.CASES.dispatcher-batches", b'{"batch": 1}')
         await asyncio.wait_for(violations.event.wait(), 5)
         assert any("dispatcher-batches" in v for v in violations.seen)
+
+
+def make_certificates(folder: Path) -> Path:
+    """A self-signed CA and a server certificate for localhost and 127.0.0.1 (openssl), in the
+    layout of cert-manager's Secrets: tls.crt, tls.key, ca.crt."""
+    folder.mkdir()
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True, timeout=60)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=evalbus test CA")  # fmt: skip
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=localhost")
+    (folder / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n", encoding="utf-8")
+    openssl(
+        "x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "tls.crt", "-days", "2", "-extfile", "san.ext",
+    )  # fmt: skip
+    return folder
+
+
+async def test_tls_with_a_self_signed_ca(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tls = make_certificates(tmp_path / "tls")
+    with start_secure_nats(tmp_path, tls) as server:
+        # a client that does not speak TLS is refused
+        with pytest.raises(Exception, match=r"(?i)tls|ssl|secure"):
+            await nats.connect(server.url("admin", "nats"), allow_reconnect=False, connect_timeout=3)
+        # the chassis' own connection, trusting the CA the way a deployment does (SSL_CERT_FILE)
+        monkeypatch.setenv("SSL_CERT_FILE", str(tls / "ca.crt"))
+        nc = await connect(server.url("admin"), "tls-probe")
+        try:
+            await ensure_topology(nc.jetstream())
+            ack = await nc.jetstream().publish("case.judged.b1.c1", b"{}")
+            assert ack.stream == "CASES"
+        finally:
+            await nc.close()
+        # without the CA, the server's certificate is not trusted
+        monkeypatch.delenv("SSL_CERT_FILE")
+        monkeypatch.setenv("SSL_CERT_DIR", str(tmp_path / "no-certs"))
+        with pytest.raises(Exception, match=r"(?i)certificate"):
+            await nats.connect(server.url("admin"), allow_reconnect=False, connect_timeout=3)
