@@ -191,7 +191,10 @@ class Forwarder:
         try:
             loop.run_until_complete(self._run())
         finally:
-            loop.close()
+            try:
+                _end_leftover_tasks(loop)
+            finally:
+                loop.close()
 
     def _poke(self) -> None:
         if self._wake is not None:
@@ -452,3 +455,18 @@ class Forwarder:
         if nc is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(nc.close(), 2.0)
+
+
+def _end_leftover_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel what the NATS client left running (its reconnect task, when it closed while
+    disconnected), again while a cancellation is swallowed, for at most a second."""
+    for _ in range(10):
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        if not pending:
+            return
+        for task in pending:
+            task.cancel()
+        loop.run_until_complete(asyncio.wait(pending, timeout=0.1))
+        for task in pending:
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: the client's own teardown errors are of no interest
