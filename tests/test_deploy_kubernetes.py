@@ -700,20 +700,21 @@ services do not export consumer lag themselves."""
 
 PROMQL_WORDS = {
     "sum", "max", "min", "avg", "count", "rate", "increase", "by", "without", "histogram_quantile",
-    "le", "on", "ignoring", "label_values",
+    "le", "on", "ignoring", "label_values", "and", "or", "unless", "deriv", "absent_over_time",
 }  # fmt: skip
+
+
+def promql_metrics(expr: str) -> set[str]:
+    """Metric names in a PromQL expression (selectors, ranges and strings removed; the words left
+    that name evalbus or JetStream series, or Prometheus' own `up`)."""
+    bare = re.sub(r"\{[^}]*\}|\[[^]]*\]|\"[^\"]*\"", " ", expr)
+    words = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", bare)) - PROMQL_WORDS
+    return {w for w in words if w.startswith(("evalbus_", "jetstream_")) or w == "up"}
 
 
 def dashboard_metrics(dashboard: Doc) -> set[str]:
     """Metric names in the dashboard's queries."""
-    names: set[str] = set()
-    for panel in dashboard["panels"]:
-        for target in panel.get("targets", []):
-            expr = re.sub(r"\{[^}]*\}|\[[^]]*\]|\"[^\"]*\"", " ", target["expr"])
-            words = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", expr)) - PROMQL_WORDS
-            # label names after by (...) are words too: keep only those that look like metrics
-            names |= {w for w in words if w.startswith(("evalbus_", "jetstream_"))}
-    return names
+    return {m for panel in dashboard["panels"] for t in panel.get("targets", []) for m in promql_metrics(t["expr"])}
 
 
 def test_the_dashboard_reads_only_metrics_that_exist() -> None:
@@ -764,3 +765,18 @@ def test_the_operator_guide_states_the_scaling_the_manifests_do() -> None:
             meta = trigger["metadata"]
             row = f"`{meta['consumer']}` ({meta['stream']}) | {meta['lagThreshold']} |"
             assert row in guide, f"docs/deploy.md's scaling table lacks {row}"
+
+
+def test_alerts_read_only_metrics_that_exist() -> None:
+    (rules,) = of_kind(render("prod"), "PrometheusRule")
+    alerts = [r for group in rules["spec"]["groups"] for r in group["rules"]]
+    used: set[str] = set()
+    for rule in alerts:
+        metrics = promql_metrics(rule["expr"])
+        assert metrics, rule["alert"]
+        used |= metrics
+    assert used - exported_metrics() - NATS_EXPORTER_METRICS - {"up"} == set()
+    jobs = set(re.findall(r'up\{job="([^"]+)"\}', " ".join(r["expr"] for r in alerts)))
+    assert jobs == {f"evalbus-{s}" for s in SERVICES}, "the service-down alert covers every service's Service"
+    names = [r["alert"] for r in alerts]
+    assert len(names) == len(set(names))
