@@ -1,11 +1,13 @@
 """The recorder's write batcher as pure logic: group commit by size and by delay, stream order,
-one write at a time, every waiter gets its own batch's outcome or its failure."""
+one write at a time, every waiter gets its own batch's outcome or its failure; while the database
+is unavailable the same batch is written again, held, until it goes through."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
 
+import asyncpg
 import pytest
 
 from evalbus_contracts import BatchCancelled, DecodeError, encode
@@ -91,14 +93,54 @@ async def test_a_failed_write_fails_its_waiters_with_retry() -> None:
     async def broken(messages: Sequence[RecordedMessage]) -> RecordOutcome:
         nonlocal calls
         calls += 1
-        raise ConnectionError("database went away")
+        raise asyncpg.DataError("a value the store cannot take")
 
     batcher = WriteBatcher(broken, max_batch=10, max_delay_s=0.001)
     batcher.start()
     results = await asyncio.gather(*(batcher.submit(message(i)) for i in range(5)), return_exceptions=True)
     await batcher.stop()
-    assert all(isinstance(r, Retry) and "database went away" in r.reason for r in results)
+    assert all(isinstance(r, Retry) and "cannot take" in r.reason for r in results)
     assert calls >= 1
+
+
+async def test_while_the_database_is_unavailable_the_batch_is_held_and_written_again() -> None:
+    log = Log()
+    failures: list[Exception] = [
+        ConnectionRefusedError("connection refused"),
+        asyncpg.exceptions.ObjectNotInPrerequisiteStateError('database "x" is not currently accepting connections'),
+        asyncpg.exceptions.AdminShutdownError("terminating connection due to administrator command"),
+    ]
+    calls = 0
+
+    async def flaky(messages: Sequence[RecordedMessage]) -> RecordOutcome:
+        nonlocal calls
+        calls += 1
+        if failures:
+            raise failures.pop(0)
+        return await log.write(messages)
+
+    batcher = WriteBatcher(flaky, max_batch=10, max_delay_s=0.001)
+    batcher.start()
+    outcomes = await asyncio.wait_for(asyncio.gather(*(batcher.submit(message(i)) for i in range(5))), 10)
+    await batcher.stop()
+    assert [o.inserted for o in outcomes] == [5] * 5  # no waiter saw the outage: one write of all five
+    assert (calls, log.batches) == (4, [[0, 1, 2, 3, 4]])
+
+
+async def test_stopping_during_an_outage_fails_the_held_batch_with_retry() -> None:
+    attempts = asyncio.Event()
+
+    async def down(messages: Sequence[RecordedMessage]) -> RecordOutcome:
+        attempts.set()
+        raise ConnectionRefusedError("connection refused")
+
+    batcher = WriteBatcher(down, max_batch=10, max_delay_s=0.001)
+    batcher.start()
+    held = asyncio.ensure_future(batcher.submit(message(1)))
+    await asyncio.wait_for(attempts.wait(), 5)
+    await asyncio.wait_for(batcher.stop(), 5)
+    with pytest.raises(Retry, match="connection refused"):
+        held.result()
 
 
 async def test_stop_writes_what_is_pending_then_refuses() -> None:

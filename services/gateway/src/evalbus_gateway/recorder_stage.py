@@ -8,6 +8,13 @@ write is in flight the next batch gathers (group commit). A handler returns only
 committed, so the chassis acks only what PostgreSQL holds: a crash before the commit redelivers
 the message, a crash after it makes `record` skip the redelivery.
 
+When the database cannot be reached or refuses sessions (`DATABASE_UNAVAILABLE`: connection
+refused or lost, shutting down, not accepting connections, too many connections), the batcher
+writes the same batch again with a capped backoff until it goes through, its messages held
+unacknowledged (the chassis keeps their leases alive): an outage costs no delivery attempt, so a
+store outage longer than `max_deliver` naks could not dead-letter what JetStream holds. Any other
+failure fails the batch's messages with `Retry` (nak, then the DLQ after `max_deliver`).
+
 For every batch the commit found complete the handler then waits for its `batch.finalized` to be
 published (single-flight per process, `finalize.Finalizer`); if that fails the message is retried,
 and its redelivery reports the batch complete again, so a finalisation cannot be lost.
@@ -26,6 +33,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import asyncpg
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from evalbus_contracts import Event, decode_event
@@ -44,6 +52,20 @@ Write = Callable[[Sequence[RecordedMessage]], Awaitable[RecordOutcome]]
 """Writes one batch of messages in one transaction."""
 RecordWith = Callable[["Database", Sequence[RecordedMessage]], Awaitable[RecordOutcome]]
 """How the stage records into a database: `store.record` (tests may wrap it)."""
+DATABASE_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.exceptions.AdminShutdownError,
+    asyncpg.exceptions.CrashShutdownError,
+    asyncpg.exceptions.CannotConnectNowError,
+    asyncpg.exceptions.TooManyConnectionsError,
+    asyncpg.exceptions.ObjectNotInPrerequisiteStateError,
+)
+"""Failures that say the database is out of reach or takes no session now (not that the batch is
+wrong); `ObjectNotInPrerequisiteState` is `ALLOW_CONNECTIONS false` and lock timeouts."""
+UNAVAILABLE_RETRY_S = (0.05, 2.0)
+"""First and longest wait before writing a batch again while the database is unavailable."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,8 +223,26 @@ class WriteBatcher:
 
     async def _flush(self, batch: list[_Waiting]) -> None:
         started = time.monotonic()
+        wait_s, longest_s = UNAVAILABLE_RETRY_S
         try:
-            outcome = await self._write([w.message for w in batch])
+            while True:
+                try:
+                    outcome = await self._write([w.message for w in batch])
+                    break
+                except DATABASE_UNAVAILABLE as e:
+                    if self._closing:
+                        raise
+                    if self._metrics is not None:
+                        self._metrics.failures.inc()
+                    if wait_s == UNAVAILABLE_RETRY_S[0]:
+                        log.warning(
+                            "database unavailable (%s: %s); holding %d messages until it is back",
+                            type(e).__name__,
+                            e,
+                            len(batch),
+                        )
+                    await asyncio.sleep(wait_s)
+                    wait_s = min(wait_s * 2, longest_s)
         except Exception as e:
             if self._metrics is not None:
                 self._metrics.failures.inc()
@@ -211,6 +251,8 @@ class WriteBatcher:
                 if not w.done.done():
                     w.done.set_exception(Retry(f"recording failed: {type(e).__name__}: {e}"))
             return
+        if wait_s != UNAVAILABLE_RETRY_S[0]:
+            log.warning("database back: %d held messages written after %.1f s", len(batch), time.monotonic() - started)
         if self._metrics is not None:
             self._metrics.observe(len(batch), time.monotonic() - started, outcome)
         for w in batch:
