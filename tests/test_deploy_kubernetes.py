@@ -397,6 +397,8 @@ def test_overlay_renders_the_whole_stack(overlay: str) -> None:
         name = f"evalbus-{service}"
         for kind in ("Deployment", "Service", "PodDisruptionBudget", "ScaledObject"):
             assert find(docs, kind, name)
+        # the ScaledObject's HPA owns the replica count; a count in the manifest would reset it
+        assert "replicas" not in find(docs, "Deployment", name)["spec"]
     nats = find(docs, "StatefulSet", "evalbus-nats")
     assert nats["spec"]["replicas"] == 3
     assert nats["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"]
