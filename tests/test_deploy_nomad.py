@@ -222,3 +222,19 @@ def test_the_nats_job_assembles_a_config_nats_server_accepts(tmp_path: Path) -> 
         check=False,
     )
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("service", sorted(SERVICES))
+def test_nomad_scales_like_kubernetes(service: str) -> None:
+    _, group, _ = _task(service)
+    (scaling,) = group["scaling"]
+    checks = {c["__label__"]: unquote(c["query"]) for c in blocks(scaling["policy"][0], "check")}
+    targets = {}
+    for label, query in checks.items():
+        match = re.search(r"\) / (\d+)\) or vector\(0\)$", query)
+        assert match, query
+        targets[label] = match[1]
+    docs = yaml.safe_load_all((REPO / f"deploy/kubernetes/base/{service}.yaml").read_text(encoding="utf-8"))
+    scaled = next(d for d in docs if d["kind"] == "ScaledObject")["spec"]
+    assert targets == {t["metadata"]["consumer"]: t["metadata"]["lagThreshold"] for t in scaled["triggers"]}
+    assert (scaling["min"], scaling["max"]) == (scaled["minReplicaCount"], scaled["maxReplicaCount"])
