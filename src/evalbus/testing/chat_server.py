@@ -1,0 +1,175 @@
+"""An OpenAI-compatible chat-completions server on 127.0.0.1 for tests of model judges: it checks
+the request shape and bearer key, records every request with its arrival time, and answers from a
+script (documented bodies, 429 + Retry-After, 5xx, garbage, hangs) or, while an `outage` reply is
+set, with that reply to every request — a provider that is down for a while.
+
+    server = ChatCompletionsServer(api_key="sk-…")
+    base_url = await server.start()          # http://127.0.0.1:<port>/v1
+    server.push(Reply(status=429, headers={"Retry-After": "1"}))
+    server.outage = Reply(status=500, body=error_body("down", "server_error"))
+    …
+    await server.stop()
+
+Used by the judge's own tests and by the cross-service outage tests (the judge service pointed at
+it with `JUDGE_MODEL_BASE_URL`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One scripted response."""
+
+    status: int = 200
+    body: Any = None
+    raw: bytes | None = None
+    """Bytes sent as is (non-JSON garbage); overrides `body`."""
+    headers: dict[str, str] = field(default_factory=dict)
+    hang: bool = False
+    """Never answer until the server stops: a request timeout for the client."""
+    echo_auth: bool = False
+    """Quote the received Authorization header in an error body, as some providers do."""
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A request the server received."""
+
+    path: str
+    at_monotonic: float
+    at_wall: float
+    headers: dict[str, str]
+    body: Any
+
+
+def completion(content: str | None, *, refusal: str | None = None) -> dict[str, Any]:
+    """A chat-completions response body in the documented shape."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if refusal is not None:
+        message["refusal"] = refusal
+    return {
+        "id": "chatcmpl-test",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": "judge-test-model",
+        "choices": [{"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+    }
+
+
+def verdict_reply(score: Any, passed: Any = None, reasoning: str = "looks right") -> Reply:
+    """A 200 whose assistant content is a judge verdict JSON object."""
+    content: dict[str, Any] = {"score": score, "reasoning": reasoning}
+    if passed is not None:
+        content["pass"] = passed
+    return Reply(body=completion(msgspec.json.encode(content).decode()))
+
+
+def error_body(message: str, kind: str, code: str | None = None) -> dict[str, Any]:
+    """An OpenAI-style error body."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+class ChatCompletionsServer:
+    """`POST …/chat/completions` on 127.0.0.1; `start()` returns the base URL `http://127.0.0.1:<port>/v1`."""
+
+    def __init__(self, *, api_key: str | None = None) -> None:
+        self.api_key = api_key
+        self.script: deque[Reply] = deque()
+        self.default = verdict_reply(1.0, True)
+        self.requests: list[Recorded] = []
+        self.abandoned: list[int] = []
+        """Indexes (into `requests`) of hanging requests whose client hung up."""
+        self.protocol_errors: list[str] = []
+        self.outage: Reply | None = None
+        """While set, every request is answered with this reply (the script waits)."""
+        self.statuses: Counter[int] = Counter()
+        """HTTP status → responses sent with it (protocol errors and key refusals included)."""
+        self._release = asyncio.Event()
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    def push(self, *replies: Reply) -> None:
+        """Queue replies for the next requests, in order; the default answers afterwards."""
+        self.script.extend(replies)
+
+    @property
+    def root(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_post("/{prefix:.*}chat/completions", self._handle)
+        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
+        await self._runner.setup()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        await web.SockSite(self._runner, sock).start()
+        return f"{self.root}/v1"
+
+    async def stop(self) -> None:
+        self._release.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def _protocol_error(self, text: str) -> web.Response:
+        self.protocol_errors.append(text)
+        return web.json_response(error_body(text, "invalid_request_error"), status=400)
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        response = await self._answer(request)
+        self.statuses[response.status] += 1
+        return response
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            body = None
+        self.requests.append(Recorded(request.path, time.monotonic(), time.time(), dict(request.headers), body))
+        if not request.headers.get("Content-Type", "").startswith("application/json"):
+            return self._protocol_error("Content-Type must be application/json")
+        if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+            return self._protocol_error("body must be a JSON object with a model")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return self._protocol_error("messages must be a non-empty list")
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
+                return self._protocol_error("every message needs a role")
+            if not isinstance(m.get("content"), str):
+                return self._protocol_error("every message needs string content")
+        reply = self.outage or (self.script.popleft() if self.script else self.default)
+        auth = request.headers.get("Authorization")
+        if reply.echo_auth:
+            return web.json_response(
+                error_body(f"Incorrect API key provided: {auth}", "invalid_request_error", "invalid_api_key"),
+                status=reply.status,
+            )
+        if self.api_key is not None and auth != f"Bearer {self.api_key}":
+            return web.json_response(
+                error_body("Incorrect API key provided.", "invalid_request_error", "invalid_api_key"), status=401
+            )
+        if reply.hang:
+            index = len(self.requests) - 1
+            try:
+                await self._release.wait()
+            except asyncio.CancelledError:  # the client closed the connection (handler_cancellation)
+                self.abandoned.append(index)
+                raise
+        if reply.raw is not None:
+            return web.Response(status=reply.status, body=reply.raw, headers=reply.headers)
+        return web.json_response(reply.body, status=reply.status, headers=reply.headers)
