@@ -5,7 +5,21 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from evalbus.cli import dlq, down, online, rejudge, replay, run, schemas, status, tail, up, verify
+from evalbus.cli import (
+    baseline,
+    compare,
+    dlq,
+    down,
+    online,
+    rejudge,
+    replay,
+    run,
+    schemas,
+    status,
+    tail,
+    up,
+    verify,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="evalbus", description="Event-sourced evaluation of AI agents over NATS JetStream."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (up, status, down, run, tail, rejudge, online, dlq, verify, replay, schemas):
+    for module in (up, status, down, run, tail, rejudge, compare, baseline, online, dlq, verify, replay, schemas):
         module.register(commands)
     return parser
 

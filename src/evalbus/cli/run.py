@@ -3,7 +3,8 @@ from the batch's event stream, then print the scorecard (`--json`: one JSON line
 
 Exit codes: 0 the batch finalized `succeeded` (whatever the verdicts), 1 it failed or was
 cancelled (or the gateway could not be reached), 2 bad input (the suite file or the spec, each
-problem printed with its field path).
+problem printed with its field path; a `--gate` that does not parse), 3 the batch succeeded and a
+gate failed (`evalbus.cli.gates`).
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from evalbus.cli.follow import (
     api_failure,
     error_line,
     follow,
-    print_outcome,
     progress_display,
     report_spec_problems,
     resolve_target,
 )
+from evalbus.cli.gates import GateOptionError, add_gate_options, report_outcome, with_gate_options
 from evalbus.cli.progress import BatchProgress
 from evalbus.cli.scorecard import json_line
 from evalbus.cli.suite_file import SpecFileError, load_suite
@@ -43,14 +44,16 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "run",
         help="run a suite: submit, follow its progress, print the scorecard",
         description="Submit a suite file (YAML) as a batch through the gateway, draw a progress bar per stage "
-        "from its event stream, then print the scorecard. Exit 0 when the batch finalized (whatever the "
-        "verdicts), 1 when it failed or was cancelled, 2 on bad input.",
+        "from its event stream, then print the scorecard and the gates. Exit 0 when the batch finalized (whatever "
+        "the verdicts) and every gate passed, 1 when it failed or was cancelled, 2 on bad input, 3 when a gate "
+        "failed.",
     )
     parser.add_argument("suite", type=Path, help="the suite file (YAML: suite, harness, judges, sinks, policy)")
     parser.add_argument(
         "--json", action="store_true", help='print only {"batch_id", "status", "summary"} as one JSON line'
     )
     parser.add_argument("--no-wait", action="store_true", help="submit and print the batch id; do not follow it")
+    add_gate_options(parser)
     add_gateway_options(parser)
     parser.set_defaults(run=run)
 
@@ -86,8 +89,7 @@ async def submit_and_follow(spec: BatchSpec, target: GatewayTarget, *, json_outp
         except asyncio.CancelledError:  # Ctrl-C
             error_line(f"\nstopped following; batch {batch_id} goes on: evalbus tail {batch_id}")
             raise
-        print_outcome(outcome, json_output=json_output, out=sys.stdout)
-        return outcome.exit_code
+        return await report_outcome(client, outcome, spec.gates, json_output=json_output, out=sys.stdout)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,6 +98,11 @@ def run(args: argparse.Namespace) -> int:
         spec = load_suite(args.suite)
     except SpecFileError as e:
         report_spec_problems("run", "suite", e.source, e.problems)
+        return EXIT_BAD_INPUT
+    try:
+        spec = with_gate_options(spec, args.gate)
+    except GateOptionError as e:
+        error_line(f"evalbus run: --gate {e.expression!r} is not a valid gate: {e.message}")
         return EXIT_BAD_INPUT
     target = resolve_target("run", args.dir, args.gateway, args.token)
     if target is None:
