@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import hashlib
 import os
 import threading
 import time
@@ -54,7 +53,7 @@ from typing import Any
 
 from evalbus.online.forwarder import Forwarder
 from evalbus.online.ledger import Item, Ledger, Outcome, RecorderStats
-from evalbus_contracts.sampling import TRACE_ID_LIMIT, ratio_bound, valid_trace_id
+from evalbus_contracts.sampling import TRACE_ID_LIMIT, observation_key, ratio_bound, valid_trace_id
 from evalbus_contracts.trace import TraceEvent
 
 DEFAULT_MAX_BYTES = 900_000
@@ -237,7 +236,7 @@ class Recorder:
             if type(observation_id) is not str or not observation_id:
                 return ledger.refuse(Outcome.INVALID)
             if self._bound < _ALL:
-                key = trace_id if trace_id is not None else hashlib.sha256(observation_id.encode()).hexdigest()[:32]
+                key = trace_id if trace_id is not None else observation_key(observation_id)
                 if int(key, 16) & TRACE_ID_LIMIT >= self._bound:
                     return ledger.refuse(Outcome.SAMPLED_OUT)
             size = 0

@@ -11,6 +11,7 @@ in clumps.
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 TRACE_ID_LIMIT = (1 << 64) - 1
@@ -31,3 +32,9 @@ def ratio_bound(ratio: float) -> int:
 def sampled_by_trace_id(trace_id: str, ratio: float) -> bool:
     """Whether a trace is sampled at `ratio` (`trace_id`: a valid 32-hex trace id)."""
     return int(trace_id, 16) & TRACE_ID_LIMIT < ratio_bound(ratio)
+
+
+def observation_key(observation_id: str) -> str:
+    """The sampling key of an observation that has no trace id: the first 32 hex digits of the
+    SHA-256 of its observation id (deterministic, so a redelivered observation decides the same)."""
+    return hashlib.sha256(observation_id.encode()).hexdigest()[:32]

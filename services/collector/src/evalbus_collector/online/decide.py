@@ -12,7 +12,6 @@ observation never yields a second `case.observed` or a second score.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -29,7 +28,7 @@ from evalbus_contracts import (
     decode_event,
 )
 from evalbus_contracts.events import Fate, FateReason
-from evalbus_contracts.sampling import sampled_by_trace_id, valid_trace_id
+from evalbus_contracts.sampling import observation_key, sampled_by_trace_id, valid_trace_id
 from evalbus_contracts.trace import Message, TraceEvent
 
 ONLINE_HARNESS = "online@1"
@@ -97,7 +96,7 @@ def sampling_key(obs: ObservationReceived) -> str | None:
     """The 32-hex key the ratio decision reads: the trace id, or a digest of the observation id
     when there is no trace id; None when the trace id is malformed."""
     if obs.trace_id is None:
-        return hashlib.sha256(obs.observation_id.encode()).hexdigest()[:32]
+        return observation_key(obs.observation_id)
     return obs.trace_id if valid_trace_id(obs.trace_id) else None
 
 
