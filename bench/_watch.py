@@ -34,6 +34,7 @@ class BatchWatch:
             self._subs.append(
                 await self.nc.subscribe(subject, cb=self._on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1)
             )
+        await self.nc.flush()  # the server has the subscriptions before anything of the batch is sent
         return self
 
     async def stop(self) -> None:
