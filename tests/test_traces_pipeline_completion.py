@@ -36,6 +36,7 @@ from evalbus_contracts import (
     Unmeasured,
 )
 from evalbus_contracts.events import CaseExecuted
+from evalbus_contracts.placement import PlacementSample
 from evalbus_dispatcher import LocalBackend, OutputStream, execute_case
 from evalbus_dispatcher.service import PlatformTracePuller
 from evalbus_runtime import MissingSecretError, SecretStore
@@ -154,6 +155,9 @@ class _Quiet:
         return None
 
     async def infra(self, mark: Infra) -> None:
+        return None
+
+    async def placement(self, sample: PlacementSample) -> None:
         return None
 
 
