@@ -8,7 +8,8 @@ with a bug that answers 8 of its 12 cases wrong — and:
 - `evalbus run --gate …` exits 3 when a gate fails (regression against the baseline, a pass rate
   threshold), prints each gate with what it measured, and exits 0 when every gate passes;
 - a gate on a metric the suite does not measure fails with the reason instead of passing;
-- a gate that does not parse exits 2 before anything is submitted.
+- a gate that does not parse exits 2 before anything is submitted;
+- `--junit` and `--summary-md` write a test case per run and per gate, and a Markdown summary.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import subprocess
 import sys
 import uuid
+import xml.etree.ElementTree as ET
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -147,6 +149,10 @@ async def test_a_regression_is_found_compared_and_gated(pipeline: Pipeline, tmp_
         "metric.cost_usd.mean <= 0.05",
         "--gate",
         "metric.latency_s.mean <= 10",
+        "--junit",
+        str(tmp_path / "junit.xml"),
+        "--summary-md",
+        str(tmp_path / "summary.md"),
         cwd=tmp_path,
     )
     assert done.returncode == 3, done.stdout + done.stderr
@@ -162,6 +168,17 @@ async def test_a_regression_is_found_compared_and_gated(pipeline: Pipeline, tmp_
     assert "measured 0.001 (needs <= 0.05)" in gate_lines["metric.cost_usd.mean"]
     assert gate_lines["metric.latency_s.mean"].startswith("  FAIL")  # no latency grader: not measured
     assert "metric latency_s was not measured" in gate_lines["metric.latency_s.mean"]
+
+    # The CI reports: a test case per run (8 failures) and per gate (3 failures).
+    junit = ET.fromstring((tmp_path / "junit.xml").read_text())
+    cases_suite, gates_suite = list(junit)
+    assert (cases_suite.get("tests"), cases_suite.get("failures"), cases_suite.get("errors")) == ("12", "8", "0")
+    assert (gates_suite.get("tests"), gates_suite.get("failures")) == ("4", "3")
+    failed = sorted(c.get("name") or "" for c in cases_suite if c.find("failure") is not None)
+    assert failed == REGRESSED
+    summary_md = (tmp_path / "summary.md").read_text()
+    assert f"## evalbus: {suite_id} — batch `{candidate_id}` succeeded" in summary_md
+    assert "**Gates: 1 of 4 passed**" in summary_md
 
     # compare, against the baseline by default.
     done = await evalbus(pipeline, "compare", candidate_id, "--json", cwd=tmp_path)

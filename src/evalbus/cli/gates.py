@@ -12,6 +12,9 @@ refused before anything is submitted (exit 2, naming it); the language is `evalb
 
 Exit codes on top of `run`'s: **3** when the batch succeeded and any gate failed. A batch that
 failed or was cancelled exits 1 as before, and its gates are not checked.
+
+`--junit FILE` and `--summary-md FILE` write the reports of `evalbus.cli.reports` once the batch
+has finalized (a report that cannot be written is an error: exit 1).
 """
 
 from __future__ import annotations
@@ -20,11 +23,14 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TextIO
 
 import msgspec
 
-from evalbus.cli.follow import EXIT_FINALIZED, Outcome, print_outcome
+from evalbus.cli.follow import EXIT_FINALIZED, EXIT_NOT_SUCCEEDED, Outcome, error_line, print_outcome
+from evalbus.cli.reports import junit_xml, summary_markdown
 from evalbus.cli.scorecard import json_line
 from evalbus_contracts import BatchSpec, BatchSummary, GateSpec, to_builtins
 from evalbus_gateway.client import ApiRequestError, GatewayClient
@@ -66,6 +72,38 @@ def add_gate_options(parser: argparse.ArgumentParser) -> None:
         "'no_significant_regression: answer_match, verdicts' (against the suite's baseline); a failing gate "
         "exits 3 (repeatable)",
     )
+    parser.add_argument(
+        "--junit", type=Path, metavar="FILE", help="write a JUnit XML report: a test case per run and per gate"
+    )
+    parser.add_argument(
+        "--summary-md", type=Path, metavar="FILE", help="write a Markdown summary (e.g. $GITHUB_STEP_SUMMARY)"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ReportFiles:
+    """Where `--junit` and `--summary-md` write (None: not asked for)."""
+
+    junit: Path | None = None
+    summary_md: Path | None = None
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> ReportFiles:
+        """From `run`'s arguments."""
+        return cls(junit=args.junit, summary_md=args.summary_md)
+
+    def write(self, outcome: Outcome, results: Sequence[GateResult] | None) -> bool:
+        """Write the reports asked for; False (after saying why) when one cannot be written."""
+        view, runs, expected = outcome.view, outcome.runs, outcome.progress.expected
+        for path, render in ((self.junit, junit_xml), (self.summary_md, summary_markdown)):
+            if path is None:
+                continue
+            try:
+                path.write_text(render(view, runs, expected, results), encoding="utf-8")
+            except OSError as e:
+                error_line(f"evalbus run: cannot write {path}: {e}")
+                return False
+        return True
 
 
 def with_gate_options(spec: BatchSpec, expressions: Sequence[str]) -> BatchSpec:
@@ -135,18 +173,23 @@ def gate_lines(results: Sequence[GateResult]) -> list[str]:
 
 
 async def report_outcome(
-    client: GatewayClient, outcome: Outcome, gates: Sequence[GateSpec], *, json_output: bool, out: TextIO = sys.stdout
+    client: GatewayClient,
+    outcome: Outcome,
+    gates: Sequence[GateSpec],
+    *,
+    json_output: bool,
+    out: TextIO = sys.stdout,
+    files: ReportFiles = ReportFiles(),  # noqa: B008 - frozen, never mutated
 ) -> int:
     """Print the outcome — the scorecard, or the JSON line — with the gates when the batch
-    succeeded; the exit code (3 when a gate failed)."""
+    succeeded, and write the reports asked for; the exit code (3 when a gate failed)."""
     view = outcome.view
-    if not gates:
+    if not gates or outcome.exit_code != EXIT_FINALIZED:
         print_outcome(outcome, json_output=json_output, out=out)
-        return outcome.exit_code
-    if outcome.exit_code != EXIT_FINALIZED:
-        print_outcome(outcome, json_output=json_output, out=out)
-        if not json_output:
+        if gates and not json_output:
             out.write(f"gates     not checked: the batch finalized {view.status}\n")
+        if not files.write(outcome, None):
+            return EXIT_NOT_SUCCEEDED
         return outcome.exit_code
     results = await decide_gates(client, view, gates)
     if json_output:
@@ -156,4 +199,6 @@ async def report_outcome(
         print_outcome(outcome, json_output=False, out=out)
         out.write("\n" + "\n".join(gate_lines(results)) + "\n")
     out.flush()
+    if not files.write(outcome, results):
+        return EXIT_NOT_SUCCEEDED
     return EXIT_FINALIZED if all(r.passed for r in results) else EXIT_GATE_FAILED

@@ -27,7 +27,7 @@ from evalbus.cli.follow import (
     report_spec_problems,
     resolve_target,
 )
-from evalbus.cli.gates import GateOptionError, add_gate_options, report_outcome, with_gate_options
+from evalbus.cli.gates import GateOptionError, ReportFiles, add_gate_options, report_outcome, with_gate_options
 from evalbus.cli.progress import BatchProgress
 from evalbus.cli.scorecard import json_line
 from evalbus.cli.suite_file import SpecFileError, load_suite
@@ -58,7 +58,14 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     parser.set_defaults(run=run)
 
 
-async def submit_and_follow(spec: BatchSpec, target: GatewayTarget, *, json_output: bool, no_wait: bool) -> int:
+async def submit_and_follow(
+    spec: BatchSpec,
+    target: GatewayTarget,
+    *,
+    json_output: bool,
+    no_wait: bool,
+    files: ReportFiles = ReportFiles(),  # noqa: B008 - frozen, never mutated
+) -> int:
     """Submit `spec`, follow it and print the outcome; the exit code."""
     async with GatewayClient(target.url, target.token) as client:
         try:
@@ -89,7 +96,7 @@ async def submit_and_follow(spec: BatchSpec, target: GatewayTarget, *, json_outp
         except asyncio.CancelledError:  # Ctrl-C
             error_line(f"\nstopped following; batch {batch_id} goes on: evalbus tail {batch_id}")
             raise
-        return await report_outcome(client, outcome, spec.gates, json_output=json_output, out=sys.stdout)
+        return await report_outcome(client, outcome, spec.gates, json_output=json_output, out=sys.stdout, files=files)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     if target is None:
         return EXIT_NOT_SUCCEEDED
     try:
-        return asyncio.run(submit_and_follow(spec, target, json_output=args.json, no_wait=args.no_wait))
+        files = ReportFiles.of(args)
+        return asyncio.run(submit_and_follow(spec, target, json_output=args.json, no_wait=args.no_wait, files=files))
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
