@@ -55,3 +55,28 @@ async def test_publisher_rides_out_a_leader_failover_without_loss_or_duplicates(
     finally:
         await publisher.stop()
         await nc.close()
+
+
+async def test_a_service_never_shrinks_a_replicated_stream(nats_cluster: list[NatsServer]) -> None:
+    """An operator runs the streams at R3 (`STREAM_REPLICAS=3`); a replica started with the default
+    (1) updates the definitions at its start, and the streams stay R3; a new stream takes the
+    setting."""
+    url = ",".join(s.url for s in nats_cluster)
+    nc = await connect(url, "replicas")
+    js = nc.jetstream()
+    stream = StreamDef(name="REPLICAS", subjects=("replicas.>",), duplicate_window_s=60)
+    try:
+        for _ in range(100):  # the cluster elects its meta leader first
+            try:
+                await ensure_stream(js, stream, replicas=3)
+                break
+            except Exception:
+                await asyncio.sleep(0.1)
+        assert (await js.stream_info("REPLICAS")).config.num_replicas == 3
+        changed = StreamDef(name="REPLICAS", subjects=("replicas.>",), duplicate_window_s=120)
+        await ensure_stream(js, changed, replicas=1)
+        info = await js.stream_info("REPLICAS")
+        assert info.config.num_replicas == 3
+        assert info.config.duplicate_window == 120  # the definition change itself applied
+    finally:
+        await nc.close()

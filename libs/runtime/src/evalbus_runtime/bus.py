@@ -85,11 +85,15 @@ def consumer_config(consumer: ConsumerDef) -> jsapi.ConsumerConfig:
 
 
 async def ensure_stream(js: JetStreamContext, stream: StreamDef, replicas: int = 1) -> None:
-    """Create the stream, or update it when its definition changed."""
+    """Create the stream with `replicas`, or update it when its definition changed — never lowering
+    the replica count it already has (a replica started with the default 1 must not shrink the R3
+    streams an operator set up on a cluster)."""
     config = stream_config(stream, replicas)
     try:
         await js.add_stream(config)
     except BadRequestError:
+        current = await js.stream_info(stream.name)
+        config.num_replicas = max(replicas, int(current.config.num_replicas or 1))
         await js.update_stream(config)
 
 

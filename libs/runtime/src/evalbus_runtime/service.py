@@ -115,7 +115,7 @@ class Service:
         self._js = self._nc.jetstream()
         # Streams are shared; consumers belong to the service that reads them, which applies its
         # own settings (a global limit raised for one deployment is not reset by another service).
-        await ensure_topology(self._js, STREAMS, ())
+        await ensure_topology(self._js, STREAMS, (), replicas=self.settings.stream_replicas)
         for stage in self._stages:
             await ensure_consumer(self._js, stage.consumer)
         self._publisher = Publisher(self._nc)

@@ -50,6 +50,9 @@ class ServiceSettings(msgspec.Struct, kw_only=True):
     default, 30 or 60 s): how long a message a dead replica held waits before it is redelivered.
     Healthy replicas send `in_progress` every third of it, so a short value is safe while the
     event loop keeps running."""
+    stream_replicas: int = 1
+    """Replicas of the streams and buckets this service creates (3 on a 3-node NATS cluster); an
+    existing stream's replica count is never lowered."""
     fault_kill: str | None = None
     """TEST ONLY: deterministic SIGKILL points, `<point>:<consumer>:<event type>:<run id>[;…]`
     (see `evalbus_runtime.faults`). Never set in a deployment."""
