@@ -262,6 +262,13 @@ async def test_compare_access_and_state_errors(
         status, error = await api_error(http, "GET", url, ALICE, params={"candidate": base})
         assert (status, error.code, error.field) == (404, "not_found", "base")
         assert "has no baseline" in error.message
+        status, error = await api_error(http, "GET", url, ALICE, params={"candidate": base, "base": "b" * 300})
+        assert (status, error.code, error.field) == (400, "invalid", "base")
+        status, error = await api_error(http, "GET", url, ALICE, params={"candidate": " "})
+        assert (status, error.code, error.field) == (400, "invalid", "candidate")
+        baseline_url = f"{gateway.base_url}/v1/suites/{suite}/baseline"
+        status, error = await api_error(http, "PUT", baseline_url, ALICE, json={"batch_id": ""})
+        assert (status, error.code, error.field) == (400, "invalid", "$.batch_id")
 
 
 # ---------------------------------------------------------------- baselines

@@ -29,7 +29,7 @@ from evalbus_gateway.api.errors import ApiError, not_found
 from evalbus_gateway.api.models import ErrorBody
 from evalbus_gateway.api.reads import finalized_on_stream, find_batch
 from evalbus_gateway.api.table import Body, Call, Param, Route
-from evalbus_gateway.api.validation import path_id, query_str, read_json
+from evalbus_gateway.api.validation import MAX_ID_LENGTH, path_id, query_str, read_json
 from evalbus_gateway.store.connections import acquire
 from evalbus_gateway.store.queries import BatchView
 from evalbus_grading.compare import CaseRun, Comparison, compare
@@ -92,6 +92,13 @@ async def _visible(call: Call, batch_id: str, field: str) -> BatchView:
     return view
 
 
+def _batch_id(value: str | None, field: str) -> str:
+    """A batch id from the query or the body: 1 to `MAX_ID_LENGTH` characters (400 naming `field`)."""
+    if value is None or not value.strip() or len(value) > MAX_ID_LENGTH:
+        raise ApiError(400, "invalid", f"{field} must be a batch id of 1 to {MAX_ID_LENGTH} characters", field)
+    return value
+
+
 def _finalized(view: BatchView, field: str) -> None:
     if view.finalized_at is None:
         raise ApiError(409, "conflict", f"batch {view.batch_id} is not finalized yet ({view.status})", field)
@@ -128,10 +135,9 @@ async def compared_runs(call: Call, batch_id: str) -> list[CaseRun]:
 async def compare_batches(call: Call) -> web.StreamResponse:
     """GET /v1/compare?base=…&candidate=…."""
     request = call.request
-    candidate_id = query_str(request, "candidate")
-    if candidate_id is None or not candidate_id.strip():
-        raise ApiError(400, "invalid", "name the candidate batch: ?candidate=<batch id>", "candidate")
-    base_id = query_str(request, "base")
+    candidate_id = _batch_id(query_str(request, "candidate"), "candidate")
+    raw_base = query_str(request, "base")
+    base_id = None if raw_base is None else _batch_id(raw_base, "base")
     candidate = await _visible(call, candidate_id, "candidate")
     from_baseline = base_id is None
     if base_id is None:
@@ -170,6 +176,7 @@ async def set_baseline(call: Call) -> web.StreamResponse:
     """PUT /v1/suites/{suite_id}/baseline."""
     suite_id = path_id(call.request, "suite_id")
     body = await read_json(call.request, BaselineRequest, BASELINE_BODY_LIMIT)
+    _batch_id(body.batch_id, "$.batch_id")
     view = await _visible(call, body.batch_id, "$.batch_id")
     if view.suite_id != suite_id:
         raise ApiError(
