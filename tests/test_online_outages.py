@@ -3,7 +3,10 @@ in-process `Recorder` (160 offered/s) and OTLP/HTTP exports (90 traces/s), sampl
 online suite whose judge is a model judge — while (a) the pipeline's PostgreSQL database refuses
 every connection for 10 s (`ALLOW_CONNECTIONS false` and its sessions terminated: the server is
 shared with other tests, so it is not stopped) and then (b) the judge's provider answers 429 with
-`Retry-After` for 5 s, then 500 for 5 s.
+`Retry-After` for 5 s, then 500 for 5 s. A second scenario has the provider answer 500 to
+everything for 10 s at 120 sampled/s — longer than a model judge's own retries — so observations
+the judge could not score are judged again later (nak with a delay), not recorded as judged with
+an error.
 
 What must hold: ingest is unaffected (every `record()` accepted, every OTLP export answered 200,
 during the outages too); nothing is lost (the recorder published everything, no dead letter
@@ -27,7 +30,6 @@ from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -36,7 +38,7 @@ import asyncpg
 import msgspec
 import pytest
 
-from evalbus.online import Outcome, Recorder
+from evalbus.online import Outcome, Recorder, RecorderStats
 from evalbus.testing.chat_server import ChatCompletionsServer, Reply, error_body
 from evalbus.testing.pipeline import Pipeline, eventually, open_pipeline
 from evalbus_contracts import Measured, Score, sampled_by_trace_id
@@ -45,13 +47,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 RATIO = 0.8
 """The suite's sample ratio."""
-RECORDED_PER_S = 160
-"""Observations offered per second through the `Recorder`."""
-OTLP_PER_S = 90
-"""Traces exported per second over OTLP/HTTP (in requests of `OTLP_PER_REQUEST`)."""
 OTLP_PER_REQUEST = 9
-LOAD_S = 30.0
-"""How long the load runs: (160 + 90) × 0.8 = 200 sampled observations/s."""
+"""Traces per OTLP export request."""
 DATABASE_DOWN = (5.0, 15.0)
 """Seconds after the load starts: the database refuses connections."""
 PROVIDER_429 = (17.0, 22.0)
@@ -61,6 +58,29 @@ PROVIDER_500 = (22.0, 27.0)
 API_KEY = "sk-outage-test-7d1f3a"  # noqa: S105 - the scripted provider's test key
 SERVICE = "support-bot"
 ENVIRONMENT = {"deployment.environment": "prod"}
+
+
+@dataclass(frozen=True)
+class Load:
+    """A steady load: observations offered per second by each way in, for how long."""
+
+    recorded_per_s: int
+    """Through the `Recorder`."""
+    otlp_per_s: int
+    """Over OTLP/HTTP (a multiple of `OTLP_PER_REQUEST` per 0.1 s… or fewer requests)."""
+    seconds: float
+
+    @property
+    def offered(self) -> int:
+        return round(self.seconds * (self.recorded_per_s + self.otlp_per_s))
+
+
+BOTH_OUTAGES = Load(recorded_per_s=160, otlp_per_s=90, seconds=30.0)
+"""(160 + 90) × 0.8 = 200 sampled observations/s for 30 s."""
+SERVER_ERRORS = Load(recorded_per_s=150, otlp_per_s=0, seconds=15.0)
+"""120 sampled observations/s for 15 s."""
+SERVER_ERRORS_DOWN = (2.0, 12.0)
+"""Seconds after that load starts: the provider answers 500 to everything."""
 
 
 @dataclass
@@ -78,7 +98,7 @@ class Ingest:
     slowest_export_s: float = 0.0
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 async def provider() -> AsyncIterator[ChatCompletionsServer]:
     server = ChatCompletionsServer(api_key=API_KEY)
     await server.start()
@@ -86,8 +106,10 @@ async def provider() -> AsyncIterator[ChatCompletionsServer]:
     await server.stop()
 
 
-@pytest.fixture
-async def pipeline(pg_admin_url: str, tmp_path: Path, provider: ChatCompletionsServer) -> AsyncIterator[Pipeline]:
+@pytest.fixture(scope="module")
+async def pipeline(
+    pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory, provider: ChatCompletionsServer
+) -> AsyncIterator[Pipeline]:
     judge = {
         "JUDGE_MODEL_BASE_URL": f"{provider.root}/v1",
         "JUDGE_MODEL_API_KEY_SECRET": "provider-key",
@@ -97,7 +119,7 @@ async def pipeline(pg_admin_url: str, tmp_path: Path, provider: ChatCompletionsS
     }
     collector = {"COLLECTOR_SETTLE_S": "0.2"}
     async with open_pipeline(
-        pg_admin_url, tmp_path / "pipeline", service_env={"judge": judge, "collector": collector}
+        pg_admin_url, tmp_path_factory.mktemp("outages"), service_env={"judge": judge, "collector": collector}
     ) as p:
         yield p
 
@@ -174,17 +196,17 @@ async def export(session: aiohttp.ClientSession, url: str, trace_ids: list[str],
     ingest.slowest_export_s = max(ingest.slowest_export_s, time.monotonic() - started)
 
 
-async def steady_load(p: Pipeline, recorder: Recorder, started: float) -> Ingest:
-    """Offer observations at a steady rate for `LOAD_S`, in ticks of 0.1 s (the pacing is the
-    load's shape; nothing waits on the pipeline)."""
+async def steady_load(p: Pipeline, recorder: Recorder, load: Load, started: float) -> Ingest:
+    """Offer observations at `load`'s steady rates, in ticks of 0.1 s (the pacing is the load's
+    shape; nothing waits on the pipeline)."""
     ingest = Ingest()
     url = f"{p.stack.otlp_url}/v1/traces"
     exports: set[asyncio.Task[None]] = set()
     tick_s = 0.1
-    per_tick = round(RECORDED_PER_S * tick_s)
-    otlp_every = round(OTLP_PER_REQUEST / OTLP_PER_S / tick_s)
+    per_tick = round(load.recorded_per_s * tick_s)
+    otlp_every = round(OTLP_PER_REQUEST / load.otlp_per_s / tick_s) if load.otlp_per_s else 0
     async with aiohttp.ClientSession() as session:
-        for tick in range(round(LOAD_S / tick_s)):
+        for tick in range(round(load.seconds / tick_s)):
             delay = started + tick * tick_s - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -193,7 +215,7 @@ async def steady_load(p: Pipeline, recorder: Recorder, started: float) -> Ingest
                 ingest.recorded.append(trace_id)
                 outcome = recorder.record(trace_id=trace_id, input=f"Where is order {tick}-{i}?", output="Thank you!")
                 ingest.outcomes[outcome.value] += 1
-            if tick % otlp_every == 0:
+            if otlp_every and tick % otlp_every == 0:
                 trace_ids = [os.urandom(16).hex() for _ in range(OTLP_PER_REQUEST)]
                 ingest.exported += trace_ids
                 task = asyncio.create_task(export(session, url, trace_ids, ingest))
@@ -235,16 +257,17 @@ class Faults:
     database_back_at: float = 0.0
 
 
+async def at(started: float, offset: float) -> None:
+    """Until `offset` seconds after `started` (a fault's schedule, not a synchronisation)."""
+    delay = started + offset - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
 async def inject_faults(p: Pipeline, admin_url: str, provider: ChatCompletionsServer, started: float) -> Faults:
     """The outages, at their times after `started` (each lasts its fault's duration)."""
     faults = Faults()
-
-    async def at(offset: float) -> None:
-        delay = started + offset - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)
-
-    await at(DATABASE_DOWN[0])
+    await at(started, DATABASE_DOWN[0])
     async with database_refusing(admin_url, p.database_url) as terminated:
         faults.terminated_sessions = terminated
         try:
@@ -253,19 +276,19 @@ async def inject_faults(p: Pipeline, admin_url: str, provider: ChatCompletionsSe
             faults.refused_during_outage = True
         else:
             await connection.close()
-        await at(DATABASE_DOWN[1])
+        await at(started, DATABASE_DOWN[1])
     faults.database_back_at = time.monotonic()
 
-    await at(PROVIDER_429[0])
+    await at(started, PROVIDER_429[0])
     down_at = time.monotonic()
     provider.outage = Reply(
         status=429,
         body=error_body("Rate limit reached", "requests", "rate_limit_exceeded"),
         headers={"Retry-After": "1"},
     )
-    await at(PROVIDER_500[0])
+    await at(started, PROVIDER_500[0])
     provider.outage = Reply(status=500, body=error_body("The server had an error", "server_error"))
-    await at(PROVIDER_500[1])
+    await at(started, PROVIDER_500[1])
     provider.outage = None
     faults.provider_down_s = (down_at, time.monotonic())
     return faults
@@ -276,10 +299,8 @@ def scores_of(raw: Any) -> Iterator[Score]:
     yield from decoded
 
 
-async def test_database_and_provider_outages_lose_nothing_and_the_counts_add_up(
-    pipeline: Pipeline, provider: ChatCompletionsServer, pg_admin_url: str
-) -> None:
-    p = pipeline
+async def apply_suite(p: Pipeline) -> str:
+    """An online suite of the support bot at `RATIO`, judged by a model judge; its id."""
     suite_id = f"outage-{uuid.uuid4().hex[:6]}"
     status, applied = await api(
         p,
@@ -301,28 +322,35 @@ async def test_database_and_provider_outages_lose_nothing_and_the_counts_add_up(
         },
     )
     assert status == 201, applied
+    return suite_id
 
-    recorder = Recorder(p.stack.nats_url, target=SERVICE, metadata=ENVIRONMENT, close_at_exit=False)
-    async with recorder:
-        probes = await wait_for_suite(p, recorder, suite_id)
-        started = time.monotonic()
-        ingest, faults = await asyncio.gather(
-            steady_load(p, recorder, started), inject_faults(p, pg_admin_url, provider, started)
-        )
-    recorded = recorder.stats()
-    load_s = time.monotonic() - started
 
-    # the outages really happened
-    assert faults.terminated_sessions >= 1, "no session of the pipeline's database was terminated"
-    assert faults.refused_during_outage, "the database accepted a connection during its outage"
-    assert provider.statuses[429] > 0, provider.statuses
-    assert provider.statuses[500] > 0, provider.statuses
+@dataclass(frozen=True)
+class Accounted:
+    """What a scenario measured once the checks passed."""
 
+    offered: int
+    judged: int
+    caught_up_s: float
+    """From the end of the last outage until the stats showed everything judged."""
+
+
+async def check_nothing_lost(
+    p: Pipeline,
+    suite_id: str,
+    load: Load,
+    ingest: Ingest,
+    recorded: RecorderStats,
+    probes: int,
+    recovered_at: float,
+) -> Accounted:
+    """Ingest unaffected, nothing lost, everything sampled judged with a measured score, the
+    counts exact."""
     # ingest unaffected: every call accepted, every export answered 200, nothing lost on the way
     offered = len(ingest.recorded) + len(ingest.exported)
-    assert offered == round(LOAD_S * (RECORDED_PER_S + OTLP_PER_S))
+    assert offered == load.offered
     assert ingest.outcomes == Counter({Outcome.ACCEPTED.value: len(ingest.recorded)}), ingest.outcomes
-    assert ingest.statuses == Counter({200: len(ingest.exported) // OTLP_PER_REQUEST}), ingest.statuses
+    assert ingest.statuses == Counter({200: len(ingest.exported) // OTLP_PER_REQUEST} if ingest.exported else {})
     assert (recorded.published, recorded.pending, dict(recorded.lost), dict(recorded.dropped)) == (
         recorded.accepted,
         0,
@@ -343,7 +371,7 @@ async def test_database_and_provider_outages_lose_nothing_and_the_counts_add_up(
         return counts[("judged", "judged")] >= len(expected) and counts[("sampled", "sampled")] >= len(expected)
 
     await eventually(all_judged, timeout_s=120, what="every sampled observation judged", diagnostics=p.diagnostics)
-    caught_up_s = time.monotonic() - faults.provider_down_s[1]
+    caught_up_s = time.monotonic() - recovered_at
     await p.quiescent(timeout_s=60)
 
     # the counts add up exactly
@@ -366,9 +394,68 @@ async def test_database_and_provider_outages_lose_nothing_and_the_counts_add_up(
     assert quality == Counter({"Measured": len(expected)}), f"judged with errors during the provider outage: {quality}"
     for service in ("collector", "judge", "gateway"):
         assert await p.dead_letters(service) == [], service
-    assert provider.statuses[200] >= len(expected)
-    assert load_s < LOAD_S + 5, f"the load took {load_s:.1f} s: ingest was held up"
+    return Accounted(offered=offered, judged=len(expected), caught_up_s=caught_up_s)
+
+
+async def test_database_and_provider_outages_lose_nothing_and_the_counts_add_up(
+    pipeline: Pipeline, provider: ChatCompletionsServer, pg_admin_url: str
+) -> None:
+    p = pipeline
+    suite_id = await apply_suite(p)
+    before = Counter(provider.statuses)
+    recorder = Recorder(p.stack.nats_url, target=SERVICE, metadata=ENVIRONMENT, close_at_exit=False)
+    async with recorder:
+        probes = await wait_for_suite(p, recorder, suite_id)
+        started = time.monotonic()
+        ingest, faults = await asyncio.gather(
+            steady_load(p, recorder, BOTH_OUTAGES, started), inject_faults(p, pg_admin_url, provider, started)
+        )
+    load_s = time.monotonic() - started
+    answered = provider.statuses - before
+
+    # the outages really happened (the provider's answers during the load)
+    assert faults.terminated_sessions >= 1, "no session of the pipeline's database was terminated"
+    assert faults.refused_during_outage, "the database accepted a connection during its outage"
+    assert answered[429] > 0, answered
+    assert answered[500] > 0, answered
+    assert load_s < BOTH_OUTAGES.seconds + 5, f"the load took {load_s:.1f} s: ingest was held up"
+
+    done = await check_nothing_lost(
+        p, suite_id, BOTH_OUTAGES, ingest, recorder.stats(), probes, faults.provider_down_s[1]
+    )
     print(  # noqa: T201 - the figures, for whoever runs it with -s
-        f"\noutages: {offered} offered, {len(expected)} sampled and judged; caught up {caught_up_s:.1f} s after "
-        f"the provider recovered; slowest export {ingest.slowest_export_s:.2f} s; provider {dict(provider.statuses)}"
+        f"\noutages: {done.offered} offered, {done.judged} sampled and judged; caught up {done.caught_up_s:.1f} s "
+        f"after the provider recovered; slowest export {ingest.slowest_export_s:.2f} s; "
+        f"provider {dict(provider.statuses - before)}"
+    )
+
+
+async def test_a_provider_answering_500_for_10_s_is_waited_for_not_recorded_as_judged(
+    pipeline: Pipeline, provider: ChatCompletionsServer
+) -> None:
+    """Every request fails with 500 for 10 s — longer than a model judge's own retries (3, about
+    3.5 s of backoff): what the judge could not score then is judged again later, not recorded as
+    judged with a `grader_error` score."""
+    p = pipeline
+    suite_id = await apply_suite(p)
+    before = Counter(provider.statuses)
+    recorder = Recorder(p.stack.nats_url, target=SERVICE, metadata=ENVIRONMENT, close_at_exit=False)
+    async with recorder:
+        probes = await wait_for_suite(p, recorder, suite_id)
+        started = time.monotonic()
+
+        async def server_errors() -> float:
+            await at(started, SERVER_ERRORS_DOWN[0])
+            provider.outage = Reply(status=500, body=error_body("The server had an error", "server_error"))
+            await at(started, SERVER_ERRORS_DOWN[1])
+            provider.outage = None
+            return time.monotonic()
+
+        ingest, recovered_at = await asyncio.gather(steady_load(p, recorder, SERVER_ERRORS, started), server_errors())
+    answered = provider.statuses - before
+    assert answered[500] > 0, answered
+    done = await check_nothing_lost(p, suite_id, SERVER_ERRORS, ingest, recorder.stats(), probes, recovered_at)
+    print(  # noqa: T201
+        f"\nserver errors: {done.offered} offered, {done.judged} judged; caught up {done.caught_up_s:.1f} s "
+        f"after the provider recovered; provider {dict(provider.statuses - before)}"
     )

@@ -34,6 +34,7 @@ from evalbus_contracts import (
     encode,
 )
 from evalbus_judge import Judge, JudgeContext, JudgeMachineryError, JudgeRegistry, judge_event
+from evalbus_judge.apply import observation_retry_delay
 from evalbus_judge.context import verdict
 
 pytestmark = pytest.mark.unit
@@ -401,3 +402,42 @@ async def test_event_without_ids_is_rejected() -> None:
     event = executed((ExactJudge(id="e"),), batch_id="")
     with pytest.raises(ValueError, match="batch_id"):
         await judge_event(event, registry_with())
+
+
+# ---------------------------------------------------------------- retrying observations
+
+
+def observed(judges: tuple[JudgeSpec, ...]) -> CaseObserved:
+    res = msgspec.structs.replace(result(), run_id="evb-run-obs-2", scores=())
+    return CaseObserved(
+        run_id="evb-run-obs-2", suite_id="s", observation_id="obs-2", result=res, plan=CasePlan(judges=judges)
+    )
+
+
+class Flaky:
+    """A judge whose score is chosen by the test: retryable unmeasured, or not."""
+
+    def __init__(self, spec: RegisteredJudge) -> None:
+        self.judge_id = spec.id
+        self.retryable = spec.params.get("retryable") == "yes"
+
+    async def judge(self, ctx: JudgeContext) -> Score:
+        return Unmeasured(
+            grader_id=self.judge_id, metric="x", reason="grader_error", detail="HTTP 500", retryable=self.retryable
+        )
+
+
+async def test_an_observation_a_judge_could_not_score_yet_is_judged_again_until_its_last_delivery() -> None:
+    registry = JudgeRegistry()
+    registry.register("flaky", Flaky)
+    retryable = observed((ContainsJudge(id="c"), RegisteredJudge(id="f", name="flaky", params={"retryable": "yes"})))
+    judged = await judge_event(retryable, registry)
+    delays = [observation_retry_delay(retryable, judged, num_delivered=n, max_deliver=5) for n in range(1, 6)]
+    assert delays == [2.0, 4.0, 8.0, 16.0, None]  # the last delivery records the error as the result
+    assert observation_retry_delay(retryable, judged, num_delivered=40, max_deliver=-1) == 30.0
+
+    # a final unmeasured score, or a batch's case, is recorded as it is
+    final = observed((RegisteredJudge(id="f", name="flaky", params={"retryable": "no"}),))
+    assert observation_retry_delay(final, await judge_event(final, registry), num_delivered=1, max_deliver=5) is None
+    case = executed((RegisteredJudge(id="f", name="flaky", params={"retryable": "yes"}),))
+    assert observation_retry_delay(case, await judge_event(case, registry), num_delivered=1, max_deliver=5) is None

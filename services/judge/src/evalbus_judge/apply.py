@@ -12,6 +12,11 @@ Pure of the bus: the chassis decodes the message, calls `judge_event`, publishes
 - An observation (`case.observed`, online evaluation) is judged the same way and published as a
   case of the pseudo-batch `online-<suite id>` with the observation id as case id and the event's
   run id; its `case` is synthesised from the first user message and the reference answer.
+- An observation is judged once, whenever it is: so a judge that could not score it for a reason
+  that may pass (an `unmeasured` score marked `retryable` — a provider answering 5xx or timing out
+  past its own retries) does not make it judged-with-an-error. `observation_retry_delay` says
+  when to judge it again (the service naks it with that delay: JetStream holds it meanwhile); only
+  on its last delivery is the error recorded as its result.
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ PRE_OUTCOME_STAGES = frozenset({"dispatch", "install"})
 """Failure stages that leave no outcome to judge."""
 DEFAULT_JUDGE_TIMEOUT_S = 900.0
 """Longest one judge may take on one case before it is `unmeasured: grader_timeout`."""
+OBSERVATION_RETRY_S = (2.0, 30.0)
+"""First and longest wait before an observation is judged again after a retryable failure
+(doubling per delivery: with 5 deliveries about 30 s of waits, past the model judge's own retries)."""
 
 JudgedStatus = Literal["judged", "skipped"]
 """Status of a `case.judged` event."""
@@ -178,6 +186,23 @@ async def run_judge(entry: ResolvedJudge, ctx: JudgeContext, *, timeout_s: float
             detail=f"judge returned {type(score).__name__}, not a score",
         )
     return msgspec.structs.replace(score, grader_id=judge_id, metric=judge_metric(judge_id), source="judge")
+
+
+def observation_retry_delay(
+    event: ReadyEvent, judged: CaseJudged | None, *, num_delivered: int, max_deliver: int
+) -> float | None:
+    """Seconds after which to judge an observation again, or None to publish `judged` as it is:
+    an observation (not a batch's case, whose errors are its data) with a retryable `unmeasured`
+    judge score, on any delivery but its last (`max_deliver` < 1: unlimited)."""
+    if not isinstance(event, CaseObserved) or judged is None or judged.judge_error is not None:
+        return None
+    if 0 < max_deliver <= num_delivered:
+        return None
+    retryable = any(isinstance(s, Unmeasured) and s.retryable and s.source == "judge" for s in judged.result.scores)
+    if not retryable:
+        return None
+    first, longest = OBSERVATION_RETRY_S
+    return float(min(longest, first * 2 ** max(0, num_delivered - 1)))
 
 
 def _judged(ready: _Case, status: JudgedStatus, result: CaseResult, judge_error: str | None) -> CaseJudged:

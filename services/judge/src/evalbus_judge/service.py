@@ -11,10 +11,10 @@ import msgspec
 from evalbus_contracts import CaseCollected, CaseExecuted, CaseObserved
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import JUDGE_CASES
-from evalbus_judge.apply import ReadyEvent, judge_event
+from evalbus_judge.apply import ReadyEvent, judge_event, observation_retry_delay
 from evalbus_judge.chat import ChatClient
 from evalbus_judge.registry import JudgeRegistry, ModelDefaults
-from evalbus_runtime import Delivery, Poison, Service, ServiceSettings, Stage
+from evalbus_runtime import Delivery, Poison, Retry, Service, ServiceSettings, Stage
 
 
 class JudgeSettings(ServiceSettings):
@@ -65,18 +65,25 @@ def build_judge(service: Service, settings: JudgeSettings, registry: JudgeRegist
     async def stop(_: Service) -> None:
         await chat.close()
 
-    async def handle(event: ReadyEvent, _: Delivery) -> Sequence[EventBase]:
+    consumer = msgspec.structs.replace(JUDGE_CASES, max_ack_pending=settings.global_limit)
+
+    async def handle(event: ReadyEvent, delivery: Delivery) -> Sequence[EventBase]:
         try:
             judged = await judge_event(event, reg)
         except ValueError as e:
             raise Poison(str(e)) from e
+        delay = observation_retry_delay(
+            event, judged, num_delivered=delivery.num_delivered, max_deliver=consumer.max_deliver
+        )
+        if delay is not None:
+            raise Retry(f"a judge could not score the observation yet (retryable); again in {delay:g} s", delay)
         return [] if judged is None else [judged]
 
     service.on_start(start)
     service.on_stop(stop)
     service.add_stage(
         Stage(
-            consumer=msgspec.structs.replace(JUDGE_CASES, max_ack_pending=settings.global_limit),
+            consumer=consumer,
             handler=handle,
             accepts=(CaseExecuted, CaseCollected, CaseObserved),
             concurrency=settings.concurrency,
