@@ -172,6 +172,15 @@ async def test_sampled_production_traces_are_judged_and_every_fate_is_answered(p
     skipped = counts[("skipped", "not_sampled")] + counts[("skipped", "filtered")] + counts[("skipped", "not_target")]
     assert counts[("sampled", "sampled")] + skipped == sent
 
+    # the collector's Prometheus counters say the same (no redelivery happened here)
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(p.stack.procs["collector"].url + "/metrics") as resp,
+    ):
+        metrics = await resp.text()
+    line = f'evalbus_online_fates_total{{fate="sampled",reason="sampled",suite="{suite_id}"}} {float(len(sampled))}'
+    assert line in metrics, [m for m in metrics.splitlines() if suite_id in m]
+
     # one observation and one case.observed per trace, whatever was redelivered
     events = [m.event() for m in await read_stream(p.nc, "CASES", ("case.observed.>",))]
     observations = Counter(e.observation_id for e in events if isinstance(e, CaseObserved) and e.suite_id == suite_id)

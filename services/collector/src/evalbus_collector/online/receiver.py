@@ -44,6 +44,13 @@ class ReceiverMetrics:
         self.spans = Counter(
             "evalbus_otlp_spans_total", "Spans received, by result (accepted, rejected)", ["result"], registry=registry
         )
+        self.fates = Counter(
+            "evalbus_online_fates_total",
+            "Observation fates decided by this replica, by suite, fate and reason (a redelivered observation may "
+            "count again; GET /v1/online/stats has the exact counts)",
+            ["suite", "fate", "reason"],
+            registry=registry,
+        )
 
 
 def split_batch(batch: ObservationSpans, limit: int = SPAN_BATCH_BYTES) -> list[ObservationSpans]:

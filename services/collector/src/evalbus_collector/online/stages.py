@@ -108,7 +108,7 @@ class OnlineIngest:
     async def on_spans(self, batch: ObservationSpans, delivery: Delivery) -> Sequence[EventBase]:
         """Hold a span batch until its trace is whole; the trace's first batch publishes it."""
         if self.assembler.is_late(batch):
-            return [_late(batch, f"{len(batch.spans)} spans after the trace was assembled")]
+            return self._counted([_late(batch, f"{len(batch.spans)} spans after the trace was assembled")])
         trace, owner = self.assembler.add(batch)
         trace.redelivered |= delivery.num_delivered > 1
         if owner:
@@ -129,7 +129,7 @@ class OnlineIngest:
             raise
         self.assembler.finish(trace)
         trace.published.set_result(None)
-        return outputs
+        return self._counted(outputs)
 
     async def _publish(self, trace: PendingTrace) -> Sequence[EventBase]:
         obs = observation_of(trace.target, trace.trace_id, trace.spans.values(), trace.resource)
@@ -178,13 +178,21 @@ class OnlineIngest:
                     capped.add(suite.id)
             except RateCapUnavailableError as e:
                 raise Retry(f"rate counter unavailable: {e}") from e
-        return [*apply_caps(decision.fates, capped), *(o for o in decision.observed if o.suite_id not in capped)]
+        fates = self._counted(apply_caps(decision.fates, capped))
+        return [*fates, *(o for o in decision.observed if o.suite_id not in capped)]
 
     async def on_dead_letter(self, letter: DeadLetter, _: Delivery) -> Sequence[EventBase]:
         """An observation some service gave up on gets the fate `dead_lettered`; other letters are
         only acknowledged (they stay in the DLQ for `evalbus dlq`)."""
         fate = dead_letter_fate(letter)
-        return [] if fate is None else [fate]
+        return [] if fate is None else self._counted([fate])
+
+    def _counted(self, events: Sequence[EventBase]) -> list[EventBase]:
+        """`events`, their fates counted in the service's metrics."""
+        for event in events:
+            if isinstance(event, ObservationFate):
+                self._metrics.fates.labels(event.suite_id or "-", event.fate, event.reason).inc()
+        return list(events)
 
 
 def apply_caps(fates: Sequence[ObservationFate], capped: set[str]) -> list[ObservationFate]:
