@@ -64,8 +64,9 @@ DATABASE_UNAVAILABLE: tuple[type[BaseException], ...] = (
 )
 """Failures that say the database is out of reach or takes no session now (not that the batch is
 wrong); `ObjectNotInPrerequisiteState` is `ALLOW_CONNECTIONS false` and lock timeouts."""
-UNAVAILABLE_RETRY_S = (0.05, 2.0)
-"""First and longest wait before writing a batch again while the database is unavailable."""
+UNAVAILABLE_RETRY_S = (0.05, 0.5)
+"""First and longest wait before writing a batch again while the database is unavailable (a try
+every half second at most: the backlog is written within that of the database coming back)."""
 
 
 @dataclass(frozen=True, slots=True)
