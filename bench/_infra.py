@@ -62,6 +62,12 @@ class Infra:
         assert self.nats is not None
         return self.nats.url
 
+    @property
+    def admin_url(self) -> str:
+        """URL of the PostgreSQL server the fresh databases are on (for faults such as refusing
+        one database's connections; "" when no database was asked for)."""
+        return self._admin_url or ""
+
     def postgres_pid(self) -> int | None:
         """Pid of the embedded PostgreSQL server (None with `DATABASE_URL`: not ours to measure)."""
         if self._embedded is None:

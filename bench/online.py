@@ -19,17 +19,25 @@ Measured, in order:
    collector's sampling, `case.observed`, the judge's regex, `case.judged`): observations/s from the
    first `record()` to the last `case.judged` for `--observations` recorded at once, and the p50 /
    p99 latency from `record()` to `case.judged` at a paced `--rate` for `--paced-seconds`.
+4. the store outage — observations recorded at a paced `--outage-rate` (200/s) for
+   `--outage-load-s` (25 s) while the stack's PostgreSQL database refuses every connection for
+   `--outage-s` (10 s) from `--outage-at` (5 s) in (`ALLOW_CONNECTIONS false`, its sessions
+   terminated; the server is not stopped): observations lost (recorded but never judged in the
+   store, or not published) and the catch-up time from the end of the outage until every
+   observation recorded up to then is judged in the store. `--outage-s 0` skips it.
 
 Goals: record() accepted median ≤ 5 µs and drop-path median ≤ 10 µs (issue 8; praval: 14–36 µs
 median, about 2 ms per drop); ingest → judged ≥ 1,000 observations/s (praval: 37.5–78 jobs/s with 4
-workers); every call accounted for, every trace observed and every observation judged (exact
+workers); the store outage: 0 observations lost (issue 8; praval lost 2,810 in 10 s at 200/s) and a
+catch-up no longer than the outage itself; every call accounted for, every trace observed and every observation judged (exact
 counts). Prints a short table and the goals, then one JSON line (only the JSON line with --json;
 the goals are in it as data, `"goals"` and `"ok"`). With --check it exits 1, naming the missed
 goals on stderr, when any is missed; without, it exits 0.
 
     uv run python bench/online.py [--calls 200000] [--traces 5000] [--spans 5]
         [--traces-per-request 50] [--http-concurrency 8] [--observations 20000] [--rate 500]
-        [--paced-seconds 5] [--json] [--check]
+        [--paced-seconds 5] [--outage-s 10] [--outage-rate 200] [--outage-load-s 25]
+        [--outage-at 5] [--json] [--check]
 """
 
 from __future__ import annotations
@@ -44,11 +52,13 @@ import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 if __package__ in (None, ""):  # run as `python bench/online.py`: make `bench.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import aiohttp
+import asyncpg
 from bench._cpu import CpuMeter, stack_pids
 from bench._goals import Goal, add_check_flag, goal, goal_notes, verdict
 from bench._infra import Infra, pipeline_stack, quiet_logs, running
@@ -500,6 +510,121 @@ async def judged_latency(
     }
 
 
+# ---------------------------------------------------------------- 4. the store outage
+
+
+async def refuse_connections(admin_url: str, database_url: str, refuse: bool) -> int:
+    """Make the stack's database refuse (or accept again) every connection; when refusing, its
+    open sessions are terminated. The server keeps running (it may be shared). Sessions ended."""
+    name = urlsplit(database_url).path.lstrip("/")
+    quoted = '"' + name.replace('"', '""') + '"'
+    admin = await asyncpg.connect(admin_url)
+    try:
+        await admin.execute(f"ALTER DATABASE {quoted} WITH ALLOW_CONNECTIONS {'false' if refuse else 'true'}")
+        if not refuse:
+            return 0
+        rows = await admin.fetch(
+            "SELECT pg_terminate_backend(pid) AS done FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+            name,
+        )
+        return sum(1 for r in rows if r["done"])
+    finally:
+        await admin.close()
+
+
+async def judged_in_store(database_url: str, batch_id: str, ids: list[str]) -> int:
+    """How many of `ids` the gateway has recorded as judged (one connection, or 0 while refused)."""
+    try:
+        conn = await asyncpg.connect(database_url)
+    except (OSError, asyncpg.PostgresError):
+        return 0
+    try:
+        found = await conn.fetchval(
+            "SELECT count(*) FROM runs WHERE batch_id = $1 AND case_id = ANY($2::text[]) AND judged_status IS NOT NULL",
+            batch_id,
+            ids,
+        )
+        return int(found)
+    finally:
+        await conn.close()
+
+
+async def store_outage(
+    stack: ServiceStack, infra: Infra, nc: NatsClient, suite_id: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Observations recorded at a paced `--outage-rate` for `--outage-load-s` while the stack's
+    database refuses every connection from `--outage-at` for `--outage-s`: the load goes on before,
+    during and after. Lost: recorded observations not judged in the store in the end (and what the
+    recorder could not publish); catch-up: from the end of the outage until every observation
+    recorded up to then is judged in the store (the backlog drained), and until all are."""
+    n = max(1, int(args.outage_rate * args.outage_load_s))
+    batch_id = f"online-{suite_id}"
+    recorder = recorder_for(stack, n)
+    ids = [os.urandom(16).hex() for _ in range(n)]
+    at: list[float] = []
+    clock: Callable[[], float] = time.monotonic
+    dlq_before = await dead_letters(nc)
+
+    async def load(started: float) -> dict[str, int]:
+        outcomes: dict[str, int] = {}
+        for i, trace_id in enumerate(ids):
+            delay = started + i / args.outage_rate - clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            at.append(clock())
+            outcome = recorder.record(trace_id=trace_id, **observation(i))
+            outcomes[outcome.value] = outcomes.get(outcome.value, 0) + 1
+        return outcomes
+
+    async def outage(started: float) -> tuple[int, float, float]:
+        await asyncio.sleep(max(0.0, started + args.outage_at - clock()))  # the fault's schedule
+        down_at = clock()
+        terminated = await refuse_connections(infra.admin_url, infra.database_url, True)
+        try:
+            await asyncio.sleep(args.outage_s)  # the fault's duration
+        finally:
+            await refuse_connections(infra.admin_url, infra.database_url, False)
+        return terminated, down_at, clock()
+
+    started = clock()
+    outcomes, (terminated, down_at, back_at) = await asyncio.gather(load(started), outage(started))
+    backlog = [t for t, when in zip(ids, at, strict=True) if when <= back_at]
+    deadline = back_at + max(120.0, args.outage_s * 10)
+    drained_at = caught_up_at = None
+    judged = 0
+    while clock() < deadline:
+        if drained_at is None and await judged_in_store(infra.database_url, batch_id, backlog) == len(backlog):
+            drained_at = clock()
+        judged = await judged_in_store(infra.database_url, batch_id, ids)
+        if judged == n:
+            caught_up_at = clock()
+            drained_at = drained_at or caught_up_at
+            break
+        await asyncio.sleep(0.1)
+    stats = await asyncio.to_thread(recorder.close, 30)
+    return {
+        "observations": n,
+        "rate": args.outage_rate,
+        "outage_s": back_at - down_at,
+        "sessions_terminated": terminated,
+        "outcomes": outcomes,
+        "published": stats.published,
+        "recorder_lost": sum(stats.lost.values()) + sum(stats.dropped.values()),
+        "judged": judged,
+        "lost": n - judged,
+        "dead_letters": await dead_letters(nc) - dlq_before,
+        "backlog": len(backlog),
+        "catch_up_s": None if drained_at is None else drained_at - back_at,
+        "all_recorded_after_load_s": None if caught_up_at is None else caught_up_at - at[-1],
+    }
+
+
+async def dead_letters(nc: NatsClient) -> int:
+    """Messages in the DLQ stream (every service's dead letters)."""
+    info = await nc.jetstream().stream_info("DLQ")
+    return int(info.state.messages)
+
+
 # ---------------------------------------------------------------- the run
 
 
@@ -526,6 +651,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 out["otlp"] = await otlp_ingest(stack, infra, nc, suite_id, args)
                 out["judged"] = await judged_throughput(stack, infra, nc, suite_id, args.observations)
                 out["latency"] = await judged_latency(stack, nc, suite_id, args.rate, args.paced_seconds)
+                if args.outage_s > 0:
+                    out["outage"] = await store_outage(stack, infra, nc, suite_id, args)
         finally:
             await nc.close()
     out["load_avg_after"] = os.getloadavg()[0]
@@ -538,7 +665,7 @@ def goals(out: dict[str, Any]) -> list[Goal]:
     """The issue's figures and the exact counts."""
     rec, otlp, judged, latency = out["record"], out["otlp"], out["judged"], out["latency"]
     calls = rec["calls"]
-    return [
+    out_goals = [
         goal(
             "record() accepted median µs",
             rec["accepted"]["median_us"],
@@ -580,6 +707,27 @@ def goals(out: dict[str, Any]) -> list[Goal]:
         goal("recorded observations judged", judged["judged"], "==", judged["observations"], "one case.judged each"),
         goal("paced observations judged", latency["judged"], "==", latency["observations"], "one case.judged each"),
     ]
+    outage = out.get("outage")
+    if outage is not None:
+        out_goals += [
+            goal(
+                "store outage: observations lost",
+                outage["lost"] + outage["recorder_lost"],
+                "==",
+                0,
+                f"issue 8: {outage['outage_s']:.1f} s of PostgreSQL refusing connections at {outage['rate']:.0f} "
+                f"sampled/s (praval lost 2,810); dead letters {outage['dead_letters']}",
+            ),
+            goal(
+                "store outage: catch-up s",
+                outage["catch_up_s"],
+                "<=",
+                outage["outage_s"],
+                f"end of the outage → its backlog of {outage['backlog']} observations judged in the store; "
+                "bound: the outage's duration (the backlog drains faster than it built up)",
+            ),
+        ]
+    return out_goals
 
 
 def table(out: dict[str, Any]) -> tuple[list[tuple[str, ...]], list[str]]:
@@ -621,6 +769,17 @@ def table(out: dict[str, Any]) -> tuple[list[tuple[str, ...]], list[str]]:
             f"p50 {fmt(latency['p50_ms'], ' ms', 1)}, max {fmt(latency['max_ms'], ' ms', 1)} at {latency['rate']:.0f}/s paced",
         ),
     ]
+    outage = out.get("outage")
+    if outage is not None:
+        rows.append(
+            (
+                "store outage: lost / catch-up",
+                f"{outage['lost'] + outage['recorder_lost']} lost, {fmt(outage['catch_up_s'], ' s', 1)}",
+                f"{outage['observations']} recorded at {outage['rate']:.0f}/s, PostgreSQL refusing connections "
+                f"{fmt(outage['outage_s'], ' s', 1)} ({outage['sessions_terminated']} sessions ended);"
+                f" all recorded {fmt(outage['all_recorded_after_load_s'], ' s', 1)} after the last record()",
+            )
+        )
     notes = [
         f"{out['cores']} cores, database {out['database']}. Load average {out['load_avg_before']:.1f} before, "
         f"{out['load_avg_after']:.1f} after. Timer overhead {rec['timer_overhead_ns']:.0f} ns per call (included).",
@@ -645,11 +804,17 @@ def cli() -> None:
     parser.add_argument("--observations", type=int, default=20_000, help="observations recorded at once, then judged")
     parser.add_argument("--rate", type=float, default=500.0, help="paced observations/s for the latency")
     parser.add_argument("--paced-seconds", type=float, default=5.0, help="seconds of paced recording")
+    parser.add_argument("--outage-s", type=float, default=10.0, help="PostgreSQL outage seconds (0: skip the scenario)")
+    parser.add_argument("--outage-rate", type=float, default=200.0, help="observations/s during the outage scenario")
+    parser.add_argument("--outage-load-s", type=float, default=25.0, help="seconds of load in the outage scenario")
+    parser.add_argument("--outage-at", type=float, default=5.0, help="seconds into that load the outage starts")
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     add_check_flag(parser)
     args = parser.parse_args()
     if min(args.calls, args.traces, args.spans, args.traces_per_request, args.http_concurrency, args.observations) < 1:
         parser.error("sizes must be positive")
+    if args.outage_s > 0 and args.outage_at + args.outage_s >= args.outage_load_s:
+        parser.error("the outage must end before the load does (--outage-at + --outage-s < --outage-load-s)")
     quiet_logs()
     out = asyncio.run(main(args))
     rows, notes = table(out)
