@@ -60,6 +60,11 @@ from evalbus_runtime.secrets import MissingSecretError
 
 log = logging.getLogger(__name__)
 
+MarkFn = Callable[[str, str], Awaitable[None]]
+"""Adds an infra mark (event, message) to the run's trace, live and sealed."""
+OnSandbox = Callable[[SandboxHandle, MarkFn], Awaitable[Callable[[], Awaitable[None]]]]
+"""Called with the sandbox once it exists; returns what to await right before its release."""
+
 QUEUE_MARK_S = 1.0
 """A run that waited at least this long in the queue before a dispatcher took it gets a `waiting`
 mark saying how long (shorter waits are not worth a mark)."""
@@ -97,7 +102,7 @@ async def execute_case(
     dispatcher: str | None = None,
     queued: Queued | None = None,
     sample_interval_s: float = SAMPLE_INTERVAL_S,
-    on_sandbox: Callable[[SandboxHandle], Awaitable[Callable[[], Awaitable[None]]]] | None = None,
+    on_sandbox: OnSandbox | None = None,
 ) -> CaseExecuted:
     """Run one case × trial and grade it, releasing the sandbox as early as possible.
 
@@ -108,8 +113,9 @@ async def execute_case(
     `backoff_s` is how long a retry waits before provisioning (marked `waiting`, with the reason).
     `dispatcher` names the replica in the marks and samples; `queued` says how the request reached
     it (a long wait or a redelivery is marked `waiting`); the harness is sampled every
-    `sample_interval_s`. `on_sandbox(handle)` is awaited once the sandbox exists and returns what
-    to await right before it is released (the live actions attach and detach there).
+    `sample_interval_s`. `on_sandbox(handle, mark)` is awaited once the sandbox exists (`mark` adds
+    an infra mark to the run's trace) and returns what to await right before the sandbox is
+    released: the live actions attach and detach there.
     """
     execution = _Execution(req, backend, live, on_release, trace_puller)
     execution.dispatcher = dispatcher
@@ -195,7 +201,7 @@ class _Execution:
         self.dispatcher: str | None = None
         self.queued: Queued | None = None
         self.sample_interval_s = SAMPLE_INTERVAL_S
-        self.on_sandbox: Callable[[SandboxHandle], Awaitable[Callable[[], Awaitable[None]]]] | None = None
+        self.on_sandbox: OnSandbox | None = None
 
     def _t(self) -> float:
         return time.monotonic() - self._t0
@@ -234,7 +240,11 @@ class _Execution:
                 return self._build(_InSandbox(failure=failure))
             try:
                 if self.on_sandbox is not None:
-                    self._detach = await self.on_sandbox(handle)
+
+                    async def mark(event: str, message: str) -> None:
+                        await self._mark(tee, event, message)
+
+                    self._detach = await self.on_sandbox(handle, mark)
                 held = await self._in_sandbox(handle, tee)
             except Exception as e:
                 log.exception("executing the case failed")

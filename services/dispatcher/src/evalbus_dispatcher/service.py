@@ -39,10 +39,12 @@ from evalbus_contracts import (
     decode_event,
     subjects,
 )
+from evalbus_contracts.control import TERMINAL_PING_S
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import DISPATCHER_BATCHES, DISPATCHER_CASES, LIVE
 from evalbus_dispatcher.backends.local import LocalBackend, sweep_orphans
 from evalbus_dispatcher.cancellation import cancelled_execution
+from evalbus_dispatcher.control import LiveControls
 from evalbus_dispatcher.execute import Queued, execute_case, run_id_of
 from evalbus_dispatcher.fanout import fan_out
 from evalbus_dispatcher.placement import SAMPLE_INTERVAL_S
@@ -81,6 +83,8 @@ class DispatcherSettings(ServiceSettings):
     """Seconds between two placement samples of a running harness."""
     status_interval_s: float = STATUS_INTERVAL_S
     """Seconds between two writes of the replica's status when nothing changes."""
+    terminal_ping_s: float = TERMINAL_PING_S
+    """Seconds between a live terminal's keep-alives (a client silent for three is gone)."""
 
 
 class LiveBus:
@@ -265,6 +269,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
     presence = Presence(
         settings.replica_id or default_replica_id(), slots=settings.slots, interval_s=settings.status_interval_s
     )
+    controls = LiveControls(ping_s=settings.terminal_ping_s)
 
     async def start(svc: Service) -> None:
         swept = await asyncio.to_thread(sweep_orphans, backend.root)
@@ -273,8 +278,10 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         await puller.start()
         await cancels.start(svc.js)
         await presence.start(svc.js)
+        controls.bind(svc.nc)
 
     async def stop(_: Service) -> None:
+        await controls.close()
         await presence.stop()
         await puller.close()
 
@@ -324,6 +331,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
                 dispatcher=presence.id,
                 queued=Queued(waited_s=waited, delivery=delivery.num_delivered),
                 sample_interval_s=settings.sample_interval_s,
+                on_sandbox=lambda handle, mark: controls.attach(run_id, handle, mark),
             )
         finally:
             free_slot()

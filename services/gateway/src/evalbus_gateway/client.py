@@ -22,6 +22,7 @@ import aiohttp
 import msgspec
 
 from evalbus_contracts import BatchSpec, Event, JudgeSpec, OnlineSuiteSpec, decode, decode_event, encode
+from evalbus_gateway.api.actions import ExecBody, ExecView, TicketView
 from evalbus_gateway.api.compare import BaselineRequest, BaselineView
 from evalbus_gateway.api.models import BatchAccepted, BatchPage, CancelAccepted, CasePage, ErrorBody, Me
 from evalbus_gateway.api.online import (
@@ -264,6 +265,15 @@ class GatewayClient:
     async def placement(self, run_id: str) -> RunPlacement:
         """Where a run's sandbox is and why (queued, blocked, starting, running, dead)."""
         return await self._call("GET", f"/v1/runs/{_quote(run_id)}/placement", RunPlacement)
+
+    async def exec(self, run_id: str, command: str, *, timeout_s: float = 30.0) -> ExecView:
+        """Run one command in the run's live sandbox (`found` false when none holds it)."""
+        body = ExecBody(command=command, timeout_s=timeout_s)
+        return await self._call("POST", f"/v1/runs/{_quote(run_id)}/exec", ExecView, body=body)
+
+    async def terminal_ticket(self, run_id: str) -> TicketView:
+        """A single-use ticket for a terminal in the run's live sandbox (open `url` as a WebSocket)."""
+        return await self._call("POST", f"/v1/runs/{_quote(run_id)}/terminal-ticket", TicketView)
 
     # ------------------------------------------------------------ comparing
 

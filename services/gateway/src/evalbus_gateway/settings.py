@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from evalbus_contracts.control import TERMINAL_PING_S
 from evalbus_runtime import ServiceSettings
 
 
@@ -36,3 +37,7 @@ class GatewaySettings(ServiceSettings):
     """Longest time a message waits for its batch to be written."""
     sse_heartbeat_s: float = 15.0
     """Seconds between SSE heartbeat comments on a quiet stream."""
+    terminal_ticket_s: float = 30.0
+    """How long a terminal ticket is valid (it works once, on any replica)."""
+    terminal_ping_s: float = TERMINAL_PING_S
+    """Seconds between a live terminal's keep-alives to the dispatcher (one silent for three is gone)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from evalbus_contracts import CaseRequested, Snapshot
 from evalbus_grading import ExecResult
@@ -113,6 +113,66 @@ class SandboxHandle(Protocol):
 
     async def release(self) -> None:
         """Free the sandbox and everything in it. Idempotent."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class LiveExec:
+    """A one-shot command run in a live sandbox on request (secrets masked in its output)."""
+
+    exit_code: int
+    """Exit code (124 on timeout, 128+n when killed by signal n)."""
+    stdout: str
+    """The end of its standard output (at most the cap asked for)."""
+    stderr: str
+    """The end of its standard error."""
+    timed_out: bool = False
+    """Killed on its timeout."""
+    truncated: bool = False
+    """The beginning of stdout or stderr was left out."""
+
+
+class Shell(Protocol):
+    """An interactive shell on a terminal in a live sandbox."""
+
+    shell: str
+    """Its program."""
+
+    def write(self, data: bytes) -> None:
+        """Type into it."""
+        ...
+
+    def resize(self, cols: int, rows: int) -> None:
+        """Change the terminal's size."""
+        ...
+
+    def kill(self) -> None:
+        """End it and everything started from it."""
+        ...
+
+    async def wait(self) -> int | None:
+        """Wait until it ended (its output forwarded); its exit code."""
+        ...
+
+
+@runtime_checkable
+class Interactive(Protocol):
+    """A sandbox a person can act in while it lives (the live actions: exec, terminal)."""
+
+    async def exec_live(
+        self, command: str, timeout_s: float, *, cap_bytes: int, on_spawn: OnSpawn | None = None
+    ) -> LiveExec:
+        """Run `command` with `sh -c` in the sandbox's workdir and environment (secrets included,
+        masked in the output); raises `BackendError` once the sandbox is released."""
+        ...
+
+    async def open_shell(self, cols: int, rows: int, on_output: Callable[[bytes], Awaitable[None]]) -> Shell:
+        """Start an interactive shell on a terminal in the sandbox, its output (masked) to
+        `on_output`; raises `BackendError` once the sandbox is released."""
+        ...
+
+    def kill_group(self, pgid: int) -> None:
+        """Kill one process group the sandbox started."""
         ...
 
 

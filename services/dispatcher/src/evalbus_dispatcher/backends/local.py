@@ -22,14 +22,23 @@ import signal
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from urllib.parse import quote
 
 from evalbus_contracts import CaseRequested, PromptSnapshot, RepoSnapshot, Snapshot
 from evalbus_dispatcher.backends import procfs
-from evalbus_dispatcher.backends.base import Capacity, HarnessRun, OnOutput, OnSpawn, OutputStream, UnitUsage
+from evalbus_dispatcher.backends.base import (
+    Capacity,
+    HarnessRun,
+    LiveExec,
+    OnOutput,
+    OnSpawn,
+    OutputStream,
+    UnitUsage,
+)
+from evalbus_dispatcher.backends.pty_shell import PtyShell
 from evalbus_dispatcher.errors import BackendError
 from evalbus_grading import ExecResult
 from evalbus_runtime.secrets import SecretStore
@@ -133,6 +142,14 @@ class _Capture:
 
     def text(self) -> str:
         return "\n".join(self.lines)
+
+    def tail(self, limit: int) -> tuple[str, bool]:
+        """The last `limit` bytes of the text (whole lines where they fit) and whether any was cut."""
+        text = self.text()
+        data = text.encode("utf-8")
+        if len(data) <= limit:
+            return text, self.truncated
+        return data[-limit:].decode("utf-8", errors="ignore"), True
 
 
 @dataclass(frozen=True, slots=True)
@@ -599,6 +616,60 @@ class LocalSandbox:
             stderr=exited.stderr.text(),
             timed_out=exited.timed_out,
         )
+
+    async def exec_live(
+        self, command: str, timeout_s: float, *, cap_bytes: int, on_spawn: OnSpawn | None = None
+    ) -> LiveExec:
+        """Run `command` with `/bin/sh -c` in the workdir, in the harness's environment (its secrets
+        too, masked in the output): a person looking into the live sandbox. The end of each stream,
+        at most `cap_bytes`, comes back."""
+        self._check_live()
+        exited = await _run_process(
+            ("/bin/sh", "-c", command),
+            cwd=self.workdir,
+            env={**self._env, **self._secret_env},
+            stdin=None,
+            timeout_s=timeout_s,
+            redact=self._redact,
+            on_output=None,
+            groups=self._groups,
+            grace_s=self._grace_s,
+            drain_s=self._drain_s,
+            cap=max(cap_bytes, 1),
+            on_spawn=on_spawn,
+        )
+        stdout, out_cut = exited.stdout.tail(cap_bytes)
+        stderr, err_cut = exited.stderr.tail(cap_bytes)
+        return LiveExec(
+            exit_code=exited.exit_code,
+            stdout=stdout,
+            stderr=stderr,
+            timed_out=exited.timed_out,
+            truncated=out_cut or err_cut,
+        )
+
+    async def open_shell(self, cols: int, rows: int, on_output: Callable[[bytes], Awaitable[None]]) -> PtyShell:
+        """An interactive shell on a pseudo-terminal in the workdir, in the harness's environment
+        (secrets masked in what it prints); its process group is released with the sandbox."""
+        self._check_live()
+        shell = PtyShell(
+            cwd=self.workdir,
+            env={**self._env, **self._secret_env},
+            secrets=self._secret_env.values(),
+            on_output=on_output,
+            cols=cols,
+            rows=rows,
+        )
+        pid = await shell.start()
+        self._groups.add(pid)
+        if self._released:  # released while it started: it must not outlive the sandbox
+            shell.kill()
+        return shell
+
+    def kill_group(self, pgid: int) -> None:
+        """SIGKILL one process group started in this sandbox."""
+        if pgid in self._groups:
+            _signal_group(pgid, signal.SIGKILL)
 
     async def snapshot(self, answer: str) -> Snapshot:
         """A repo snapshot when the workdir is a git repository, else the answer as a prompt snapshot."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from evalbus_contracts import subjects
-from evalbus_gateway.api.errors import not_found
+from evalbus_gateway.api.errors import ApiError, not_found
 from evalbus_gateway.api.reads import find_batch
 from evalbus_gateway.api.table import Call
 from evalbus_gateway.live.reads import last_on
@@ -76,3 +76,31 @@ async def visible_live_run(call: Call, run_id: str) -> LiveRun:
     if mark is None or mark.event.run_id != run_id or not await _may_see_batch_of(call, mark.event.batch_id):
         raise not_found("run", "run_id", run_id)
     return LiveRun(run_id=run_id, batch_id=mark.event.batch_id, case_id=mark.event.case_id, view=None)
+
+
+async def actionable_run(call: Call, run_id: str) -> LiveRun:
+    """The run of a live action (exec, terminal, screen), if the caller may act in its sandbox.
+
+    Acting runs commands in the sandbox, so it takes more than seeing the run: the run's creator
+    (the submitter of its batch) or an admin. An unknown run is 404; a run the caller did not
+    create is 403 (another member's, or an online suite's run, which no member created).
+    """
+    view = await get_run(call.state.pool, run_id)
+    if view is not None:
+        run = LiveRun(run_id=run_id, batch_id=view.batch_id, case_id=view.case_id, view=view)
+    else:
+        mark = await last_on(call.state.js, subjects.live_subject(run_id, "infra"))
+        if mark is None or mark.event.run_id != run_id:
+            raise not_found("run", "run_id", run_id)
+        run = LiveRun(run_id=run_id, batch_id=mark.event.batch_id, case_id=mark.event.case_id, view=None)
+    if call.user.is_admin:
+        return run
+    batch = await find_batch(call.state.pool, call.state.js, run.batch_id) if run.batch_id is not None else None
+    if batch is None or batch.submitted_by != call.user.name:
+        raise ApiError(
+            403,
+            "forbidden",
+            f"only the run's creator or an admin may act in its sandbox; {call.user.name!r} may not",
+            "Authorization",
+        )
+    return run

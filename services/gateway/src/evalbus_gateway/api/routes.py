@@ -20,6 +20,7 @@ from aiohttp.typedefs import Handler
 
 from evalbus_contracts import BatchCancelled, BatchRequested, BatchSpec, encode
 from evalbus_gateway.api.access import visible_batch, visible_run
+from evalbus_gateway.api.actions import ROUTES as ACTION_ROUTES
 from evalbus_gateway.api.auth import Principal, authenticate, require_admin
 from evalbus_gateway.api.compare import ROUTES as COMPARE_ROUTES
 from evalbus_gateway.api.errors import ApiError, error_middleware, not_found
@@ -415,6 +416,7 @@ ROUTES: tuple[Route, ...] = (
     *LIVE_ROUTES,
     *COMPARE_ROUTES,
     *PLACEMENT_ROUTES,
+    *ACTION_ROUTES,
     *ONLINE_ROUTES,
     *WEB_ROUTES,
     *MCP_ROUTES,
