@@ -157,17 +157,25 @@ class ChatClient:
         waited = 0.0
         attempt = 0
         spent = 0  # retries spent on failures other than a rate limit
+        limited = 0  # rate limits in a row (each backs off further)
         while True:
             attempt += 1
             outcome, retry_after = await self._attempt(session, url, data, headers, timeout, attempt, api_key)
             if isinstance(outcome, ChatReply):
                 return outcome
             failure = outcome
-            if failure.kind != "rate_limited":
+            if failure.kind == "rate_limited":
+                limited += 1
+                step = limited
+            else:
                 spent += 1
+                limited = 0
+                step = spent
             if not failure.retryable or spent > max_retries:
                 return failure
-            delay = retry_after if retry_after is not None else self.retry.backoff(attempt - 1)
+            # each kind of failure backs off from its own count: a 500 after a run of 429s waits
+            # like a first 500, not like the tenth attempt
+            delay = retry_after if retry_after is not None else self.retry.backoff(step - 1)
             budget = self.retry.max_total_wait_s - waited
             if retry_after is None:
                 delay = min(delay, budget)
