@@ -12,6 +12,7 @@ from evalbus_contracts import Error, Infra, LlmCall, Log, Message, ToolCall
 from evalbus_dispatcher.execute import merge_marks
 from evalbus_dispatcher.harness_output import (
     TAIL_BYTES,
+    ParsedLine,
     complete_trace,
     is_control_line,
     log_tail,
@@ -172,3 +173,11 @@ def test_merge_marks_places_marks_by_time_keeping_event_order() -> None:
 def test_parse_stdout_never_raises(text: str) -> None:
     out = parse_stdout(text)
     assert out.answer == out.answer.strip() or out.has_result
+
+
+def test_a_declared_devtools_endpoint_is_a_control_line() -> None:
+    assert parse_line("EVALBUS_CDP http://127.0.0.1:9222") == ParsedLine(kind="cdp", cdp="http://127.0.0.1:9222")
+    assert parse_line("EVALBUS_CDP not a url").kind == "invalid"
+    out = parse_stdout("EVALBUS_CDP http://127.0.0.1:9222\nthe answer\n")
+    assert (out.answer, out.invalid_lines) == ("the answer", 0)
+    assert strip_control_lines("EVALBUS_CDP http://127.0.0.1:9222\nvisible") == "visible"

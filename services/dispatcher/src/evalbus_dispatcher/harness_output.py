@@ -1,7 +1,9 @@
 """Reading what a command harness prints (pure).
 
-On stdout, a line `EVALBUS_EVENT {json}` is one trace event and a line `EVALBUS_RESULT {json}`
-carries `{"answer": ...}`; both are control lines, hidden from the log users see. A torn or
+On stdout, a line `EVALBUS_EVENT {json}` is one trace event, a line `EVALBUS_RESULT {json}`
+carries `{"answer": ...}`, and a line `EVALBUS_CDP <url>` declares the Chrome DevTools endpoint
+of the browser the harness drives (for the live screen); all are control lines, hidden from the
+log users see. A torn or
 invalid control line is skipped, never fatal. Without a result line the answer is the rest of
 stdout, stripped.
 """
@@ -22,10 +24,13 @@ EVENT_PREFIX = "EVALBUS_EVENT"
 """Marks a trace event line."""
 RESULT_PREFIX = "EVALBUS_RESULT"
 """Marks the result line."""
+CDP_PREFIX = "EVALBUS_CDP"
+"""Marks the line declaring the harness's browser's DevTools endpoint (`http://host:port`)."""
 TAIL_BYTES = 16 * 1024
 """Cap on log tails (stderr log event, failure evidence)."""
 
-_CONTROL = re.compile(r"^\s*(EVALBUS_EVENT|EVALBUS_RESULT)(?:\s+(.*))?$", re.DOTALL)
+_CONTROL = re.compile(r"^\s*(EVALBUS_EVENT|EVALBUS_RESULT|EVALBUS_CDP)(?:\s+(.*))?$", re.DOTALL)
+_CDP_URL = re.compile(r"^(https?|wss?)://[^\s]+$")
 _event_decoder: msgspec.json.Decoder[TraceEvent] = msgspec.json.Decoder(TraceEvent)
 
 
@@ -40,12 +45,15 @@ _result_decoder = msgspec.json.Decoder(_ResultLine)
 class ParsedLine:
     """One classified stdout line."""
 
-    kind: Literal["text", "event", "result", "invalid"]
-    """Plain text, a decoded event, a decoded result, or a torn/invalid control line."""
+    kind: Literal["text", "event", "result", "cdp", "invalid"]
+    """Plain text, a decoded event, a decoded result, a DevTools endpoint, or a torn/invalid control
+    line."""
     event: TraceEvent | None = None
     """The event, for `event`."""
     answer: str | None = None
     """The answer, for `result`."""
+    cdp: str | None = None
+    """The DevTools endpoint, for `cdp`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +76,8 @@ def parse_line(line: str) -> ParsedLine:
     if m is None:
         return ParsedLine(kind="text")
     payload = (m.group(2) or "").strip()
+    if m.group(1) == CDP_PREFIX:
+        return ParsedLine(kind="cdp", cdp=payload) if _CDP_URL.match(payload) else ParsedLine(kind="invalid")
     try:
         if m.group(1) == EVENT_PREFIX:
             return ParsedLine(kind="event", event=_event_decoder.decode(payload))
@@ -104,6 +114,8 @@ def parse_stdout(stdout: str) -> HarnessOutput:
             events.append(parsed.event)
         elif parsed.kind == "result":
             answer = parsed.answer
+        elif parsed.kind == "cdp":
+            continue
         else:
             invalid += 1
     has_result = answer is not None

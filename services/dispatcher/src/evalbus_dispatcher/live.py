@@ -144,6 +144,8 @@ class LiveTee:
         self._task: asyncio.Task[None] | None = None
         self.t_offset = 0.0
         """Added to the `t` of printed events, to put them on the run's clock."""
+        self.on_cdp: Callable[[str], None] | None = None
+        """Told the DevTools endpoint a harness declares (`EVALBUS_CDP <url>` on stdout)."""
 
     async def __aenter__(self) -> LiveTee:
         self._task = asyncio.create_task(self._pump())
@@ -166,6 +168,8 @@ class LiveTee:
                 self._events.append(event)
             self._dirty.set()
             return
+        if stream == "stdout" and parsed.kind == "cdp" and parsed.cdp is not None and self.on_cdp is not None:
+            self.on_cdp(parsed.cdp)
         if parsed.kind != "text":
             return  # control lines (valid or torn) are not user log, on either stream
         self._logs[stream].add(line)

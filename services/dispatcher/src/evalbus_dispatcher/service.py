@@ -50,6 +50,7 @@ from evalbus_dispatcher.fanout import fan_out
 from evalbus_dispatcher.placement import SAMPLE_INTERVAL_S
 from evalbus_dispatcher.presence import STATUS_INTERVAL_S, Presence, default_replica_id
 from evalbus_dispatcher.retry import next_attempt, should_retry
+from evalbus_dispatcher.screen import capture
 from evalbus_runtime import (
     Delivery,
     MissingSecretError,
@@ -216,6 +217,26 @@ class PlatformTracePuller:
         return events
 
 
+class ScreenSessions:
+    """The HTTP session screen captures talk to harnesses' browsers with (open while the service runs)."""
+
+    def __init__(self) -> None:
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the service is not started")
+        return self._session
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
 class Cancellations:
     """Which batches are cancelled or superseded, from `batch.cancelled.*` (last per batch)."""
 
@@ -270,6 +291,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         settings.replica_id or default_replica_id(), slots=settings.slots, interval_s=settings.status_interval_s
     )
     controls = LiveControls(ping_s=settings.terminal_ping_s)
+    screens = ScreenSessions()
 
     async def start(svc: Service) -> None:
         swept = await asyncio.to_thread(sweep_orphans, backend.root)
@@ -279,9 +301,11 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         await cancels.start(svc.js)
         await presence.start(svc.js)
         controls.bind(svc.nc)
+        await screens.start()
 
     async def stop(_: Service) -> None:
         await controls.close()
+        await screens.close()
         await presence.stop()
         await puller.close()
 
@@ -331,7 +355,9 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
                 dispatcher=presence.id,
                 queued=Queued(waited_s=waited, delivery=delivery.num_delivered),
                 sample_interval_s=settings.sample_interval_s,
-                on_sandbox=lambda handle, mark: controls.attach(run_id, handle, mark),
+                on_sandbox=lambda handle, mark, cdp: controls.attach(
+                    run_id, handle, mark, screen=lambda: capture(screens.session, cdp())
+                ),
             )
         finally:
             free_slot()

@@ -22,7 +22,7 @@ import aiohttp
 import msgspec
 
 from evalbus_contracts import BatchSpec, Event, JudgeSpec, OnlineSuiteSpec, decode, decode_event, encode
-from evalbus_gateway.api.actions import ExecBody, ExecView, TicketView
+from evalbus_gateway.api.actions import ExecBody, ExecView, ScreenView, TicketView
 from evalbus_gateway.api.compare import BaselineRequest, BaselineView
 from evalbus_gateway.api.models import BatchAccepted, BatchPage, CancelAccepted, CasePage, ErrorBody, Me
 from evalbus_gateway.api.online import (
@@ -274,6 +274,10 @@ class GatewayClient:
     async def terminal_ticket(self, run_id: str) -> TicketView:
         """A single-use ticket for a terminal in the run's live sandbox (open `url` as a WebSocket)."""
         return await self._call("POST", f"/v1/runs/{_quote(run_id)}/terminal-ticket", TicketView)
+
+    async def screen(self, run_id: str) -> ScreenView:
+        """A frame of what the run's live browser shows (`supported` false when none is reachable)."""
+        return await self._call("GET", f"/v1/runs/{_quote(run_id)}/screen", ScreenView)
 
     # ------------------------------------------------------------ comparing
 

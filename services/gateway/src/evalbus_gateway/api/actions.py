@@ -260,5 +260,19 @@ ROUTES: tuple[Route, ...] = (
             401: Body("Missing, unknown, used or expired ticket (`error.field` = `ticket`)", ErrorBody),
         },
     ),
+    Route(
+        ("GET",),
+        "/v1/runs/{run_id}/screen",
+        "getRunScreen",
+        "A frame of what a run's live browser shows",
+        "member",
+        run_screen,
+        tag="runs",
+        description=_WHO + "Captured over CDP (`Page.captureScreenshot`) from the browser the harness declared "
+        "(`EVALBUS_CDP <url>` on its stdout, or `EVALBUS_CDP_URL` in its environment), on the page most recently "
+        "active. `supported` is the capture attempt itself: false when no screen could be reached.",
+        params=(_RUN_ID,),
+        responses={200: Body("The frame", ScreenView)},
+    ),
 )
 """The live action routes, added to the gateway's table in `api.routes`."""
