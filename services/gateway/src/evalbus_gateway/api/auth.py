@@ -61,7 +61,9 @@ class TokenEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 
 def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode("utf-8")).digest()
+    # A header that was not UTF-8 reaches us with its bytes as surrogate escapes: digest those
+    # bytes (no token matches them) rather than fail on them.
+    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
 
 
 class TokenTable:

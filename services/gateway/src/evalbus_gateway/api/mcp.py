@@ -31,7 +31,8 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.transport_security import TransportSecuritySettings
 
 from evalbus_gateway.api.errors import ApiError
-from evalbus_gateway.api.table import Call, Route
+from evalbus_gateway.api.table import Body, Call, Route
+from evalbus_gateway.api.validation import read_body
 
 log = logging.getLogger("evalbus.gateway.mcp")
 
@@ -156,8 +157,7 @@ class AsgiBridge:
     def __init__(self, app: AsgiApp) -> None:
         self._app = app
 
-    async def __call__(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
+    async def __call__(self, request: web.Request, body: bytes) -> web.StreamResponse:
         host, port = (
             (request.transport.get_extra_info("sockname") or ("127.0.0.1", 0))[:2] if request.transport else ("", 0)
         )
@@ -250,9 +250,9 @@ class McpEndpoint:
             self._runner = None
         await self.api.close()
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        """One request to `/mcp` (its bearer token already checked)."""
-        return await self._bridge(request)
+    async def handle(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        """One request to `/mcp` (its bearer token already checked, its body read)."""
+        return await self._bridge(request, body)
 
 
 def loopback_url(host: str, port: int) -> str:
@@ -263,11 +263,13 @@ def loopback_url(host: str, port: int) -> str:
 
 
 async def mcp_route(call: Call) -> web.StreamResponse:
-    """POST/GET/DELETE /mcp (the route table checked the bearer token)."""
+    """POST/GET/DELETE /mcp (the route table checked the bearer token). The body is read under
+    the API's limit (`GATEWAY_MAX_REQUEST_BYTES`, 413 beyond) like every other request body."""
     endpoint = call.state.mcp
     if endpoint is None:
         raise ApiError(503, "unavailable", "the MCP endpoint is not started", None)
-    return await endpoint.handle(call.request)
+    body = await read_body(call.request, call.state.settings.max_request_bytes)
+    return await endpoint.handle(call.request, body)
 
 
 def tool_result(result: Any) -> Any:
@@ -289,6 +291,8 @@ _MCP_DESCRIPTION = (
     "HTTP route answers for the same token."
 )
 
+_JSON_RPC = Body("A JSON-RPC message (or batch) of the Model Context Protocol", schema={"type": "object"})
+
 ROUTES: tuple[Route, ...] = tuple(
     Route(
         (method,),
@@ -299,6 +303,7 @@ ROUTES: tuple[Route, ...] = tuple(
         mcp_route,
         description=_MCP_DESCRIPTION,
         tag="mcp",
+        request=_JSON_RPC if method == "POST" else None,
     )
     for method, summary in (
         ("POST", "MCP messages (JSON-RPC): the run and batch reads as tools"),

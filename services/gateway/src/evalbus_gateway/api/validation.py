@@ -16,6 +16,7 @@ import base64
 import binascii
 import re
 from collections.abc import Sequence
+from decimal import Decimal
 from typing import TypeVar
 
 import msgspec
@@ -31,7 +32,12 @@ T = TypeVar("T")
 MAX_TRIALS = 100
 MAX_RETRIES = 10
 MAX_ID_LENGTH = 256
+MAX_SEQ = 2**63 - 1
+"""Largest stream sequence a `Last-Event-ID` may name (JetStream sequences are 64-bit)."""
 _READ_CHUNK = 64 * 1024
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+"""Control characters: never part of an id (PostgreSQL cannot even store NUL in text)."""
+_NESTED_TOO_DEEPLY = "request body is nested too deeply"
 
 
 # ---------------------------------------------------------------- bodies
@@ -66,9 +72,15 @@ def parse_json(body: bytes, kind: type[T]) -> T:
         _raise_strict(body, kind)
         raise invalid(e) from None
     except msgspec.DecodeError as e:
-        raise ApiError(400, "invalid_json", f"request body is not valid JSON: {e}", "$") from None
+        raise _not_json(e) from None
+    except RecursionError:
+        raise ApiError(400, "invalid_json", _NESTED_TOO_DEEPLY, "$") from None
     _raise_strict(body, kind)
     return value
+
+
+def _not_json(error: msgspec.DecodeError) -> ApiError:
+    return ApiError(400, "invalid_json", f"request body is not valid JSON: {error}", "$")
 
 
 def strict_error(problems: Sequence[StrictProblem]) -> ApiError:
@@ -78,8 +90,20 @@ def strict_error(problems: Sequence[StrictProblem]) -> ApiError:
     return ApiError(400, "invalid", first.message + more, first.field)
 
 
+_plain = msgspec.json.Decoder(float_hook=Decimal)
+"""The strict walk's reader: any JSON number fits (a float beyond 1.8e308 is a `Decimal`), so
+only the typed decode judges numbers, naming their field."""
+
+
 def _raise_strict(body: bytes, kind: type[T]) -> None:
-    problems = strict_problems(msgspec.json.decode(body), kind)
+    # The typed decode may have skipped (unknown fields) or stopped before what the plain decode
+    # reads in full, so the plain decode can still refuse the document.
+    try:
+        problems = strict_problems(_plain.decode(body), kind)
+    except msgspec.DecodeError as e:  # e.g. a broken escape inside a skipped unknown field
+        raise _not_json(e) from None
+    except RecursionError:
+        raise ApiError(400, "invalid_json", _NESTED_TOO_DEEPLY, "$") from None
     if problems:
         raise strict_error(problems)
 
@@ -116,6 +140,8 @@ def _id_problem(value: str, field: str, what: str) -> SpecProblem | None:
         return SpecProblem(field, f"{what} must not be empty")
     if len(value) > MAX_ID_LENGTH:
         return SpecProblem(field, f"{what} is longer than {MAX_ID_LENGTH} characters")
+    if _CONTROL.search(value):
+        return SpecProblem(field, f"{what} must not contain control characters")
     return None
 
 
@@ -205,10 +231,12 @@ def check_batch_spec(spec: BatchSpec) -> None:
 
 
 def path_id(request: web.Request, name: str) -> str:
-    """A path parameter holding an id (non-empty, bounded)."""
+    """A path parameter holding an id (non-empty, bounded, no control characters)."""
     value = request.match_info.get(name, "")
     if not value.strip() or len(value) > MAX_ID_LENGTH:
         raise ApiError(400, "invalid", f"{name} must be 1 to {MAX_ID_LENGTH} characters", name)
+    if _CONTROL.search(value):
+        raise ApiError(400, "invalid", f"{name} must not contain control characters", name)
     return value
 
 
@@ -216,6 +244,8 @@ def _single(request: web.Request, name: str) -> str | None:
     values = request.query.getall(name, [])
     if len(values) > 1:
         raise ApiError(400, "invalid", f"query parameter {name} is given more than once", name)
+    if values and _CONTROL.search(values[0]):
+        raise ApiError(400, "invalid", f"query parameter {name} must not contain control characters", name)
     return values[0] if values else None
 
 
@@ -253,12 +283,14 @@ def header_seq(request: web.Request, name: str) -> int | None:
     raw = request.headers.get(name)
     if raw is None or not raw.strip():
         return None
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ApiError(400, "invalid", f"{name} must be a stream sequence (an integer)", name) from None
-    if value < 0:
+    text = raw.strip()
+    if text.startswith("-") and text[1:].isascii() and text[1:].isdigit():
         raise ApiError(400, "invalid", f"{name} must not be negative", name)
+    if not (text.isascii() and text.isdigit()):  # int() would also take "٣", "1_0" and " +1"
+        raise ApiError(400, "invalid", f"{name} must be a stream sequence (an integer)", name)
+    value = int(text)
+    if value > MAX_SEQ:
+        raise ApiError(400, "invalid", f"{name} must be at most {MAX_SEQ}", name)
     return value
 
 

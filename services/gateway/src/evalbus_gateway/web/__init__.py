@@ -18,7 +18,7 @@ from aiohttp import web
 from evalbus_gateway.api.auth import SESSION_COOKIE
 from evalbus_gateway.api.errors import ApiError
 from evalbus_gateway.api.models import ErrorBody, Me
-from evalbus_gateway.api.table import Body, Call, Route
+from evalbus_gateway.api.table import Body, Call, Param, Route
 from evalbus_gateway.api.validation import read_json
 
 log = logging.getLogger("evalbus.gateway.web")
@@ -116,6 +116,7 @@ ROUTES: tuple[Route, ...] = (
         "public",
         asset,
         tag="dashboard",
+        params=(Param("name", "path", "The asset's file name (`app.js`, `app.css`)", {"type": "string"}, True),),
         responses={200: Body("The asset", content_type="text/plain", schema={"type": "string"})},
     ),
     Route(
