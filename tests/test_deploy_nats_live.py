@@ -28,9 +28,27 @@ from nats.aio.msg import Msg
 from evalbus.infra.nats import nats_server_binary
 from evalbus.infra.ports import free_port, wait_port
 from evalbus_collector.service import CollectorSettings, build_collector
-from evalbus_contracts import CaseExecuted, CasePlan, CaseResult, JsonlSink, decode_event
+from evalbus_contracts import (
+    CaseExecuted,
+    CasePlan,
+    CaseRequested,
+    CaseResult,
+    CaseSpec,
+    CommandHarness,
+    JsonlSink,
+    decode,
+    decode_event,
+    encode,
+)
+from evalbus_contracts.control import ExecReply, ExecRequest
+from evalbus_contracts.subjects import control_subject
+from evalbus_dispatcher import LocalBackend
+from evalbus_dispatcher.control import LiveControls
+from evalbus_dispatcher.presence import Presence
 from evalbus_dispatcher.service import DispatcherSettings, build_dispatcher
 from evalbus_exporter.service import ExporterSettings, build_exporter
+from evalbus_gateway.live.dispatchers import dispatcher_statuses, requests_ahead
+from evalbus_gateway.live.terminal import TerminalTickets
 from evalbus_gateway.service import GatewaySettings, build_gateway
 from evalbus_judge.service import JudgeSettings, build_judge
 from evalbus_runtime import Publisher, Service, connect, ensure_topology
@@ -229,6 +247,51 @@ async def test_the_exporter_cannot_read_batch_requested(secure_nats: SecureNats)
         await nc.publish("$JS.API.CONSUMER.MSG.NEXT.CASES.dispatcher-batches", b'{"batch": 1}')
         await asyncio.wait_for(violations.event.wait(), 5)
         assert any("dispatcher-batches" in v for v in violations.seen)
+
+
+async def test_the_live_views_and_actions_work_with_the_gateway_and_dispatcher_users(
+    secure_nats: SecureNats, tmp_path: Path
+) -> None:
+    """Placement (the dispatchers' bucket and queue), terminal tickets and a live exec, each side
+    with its own user: the gateway's reads and requests, the dispatcher's presence and answers."""
+    async with connect_as(secure_nats, "admin") as (admin, _):
+        await ensure_topology(admin.jetstream())
+        queued = await admin.jetstream().publish(f"case.requested.b{uuid.uuid4().hex[:8]}.c1", b"{}")
+    backend = LocalBackend(slots=1, root=tmp_path)
+    request = CaseRequested(
+        batch_id="b1", case_id="c1", run_id=f"evb-perm-{uuid.uuid4().hex[:8]}", case=CaseSpec(id="c1", input="x"),
+        harness=CommandHarness(id="h", command=("true",)), plan=CasePlan(),
+    )  # fmt: skip
+    sandbox = await backend.provision(request)
+
+    async def mark(event: str, message: str) -> None:
+        return None
+
+    async with (
+        connect_as(secure_nats, "dispatcher") as (dnc, d_violations),
+        connect_as(secure_nats, "gateway") as (gnc, g_violations),
+    ):
+        presence = Presence("d-perm", slots=1)
+        await presence.start(dnc.jetstream())
+        controls = LiveControls(dnc)
+        detach = await controls.attach(request.run_id or "", sandbox, mark)
+        try:
+            gjs = gnc.jetstream()
+            assert [s.dispatcher for s in await dispatcher_statuses(gjs)] == ["d-perm"]
+            assert await requests_ahead(gjs, queued.seq) == 0
+            tickets = TerminalTickets(gjs, 30.0)
+            ticket, _ = await tickets.mint(request.run_id or "", "alice")
+            assert await tickets.spend(ticket, request.run_id or "") is not None
+            reply = await gnc.request(
+                control_subject(request.run_id or "", "exec"), encode(ExecRequest(command="echo ok")), timeout=10
+            )
+            assert decode(reply.data, ExecReply).stdout == "ok"
+        finally:
+            await detach()
+            await sandbox.release()
+            await presence.stop()
+        assert d_violations.seen == []
+        assert g_violations.seen == []
 
 
 def make_certificates(folder: Path) -> Path:

@@ -93,6 +93,10 @@ SERVICES: tuple[ServiceUser, ...] = (
             Grant("ctl.*.*", "actions on a live sandbox, requests to the dispatcher (subjects.control_subject)"),
             Grant("term.*.in", "terminal keystrokes to the dispatcher (subjects.terminal_subject)"),
             Grant("$KV.terminal-tickets.>", "single-use terminal tickets (streams.TERMINAL_TICKETS)"),
+            Grant(
+                "$JS.API.CONSUMER.INFO.CASES.dispatcher-cases",
+                "a queued run's placement: requests the dispatchers' queue has not delivered yet",
+            ),
         ),
     ),
     ServiceUser(

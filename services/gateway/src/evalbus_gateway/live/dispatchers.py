@@ -20,23 +20,29 @@ from evalbus_gateway.live.reads import READ_TIMEOUT_S
 
 log = logging.getLogger("evalbus.gateway.live")
 
+PROBE_IDLE_S = 5.0
+"""How long the server keeps a queue-counting consumer before removing it."""
+
 
 async def dispatcher_statuses(js: JetStreamContext) -> list[DispatcherStatus]:
-    """Every status in the `dispatchers` bucket (stale ones included: the caller decides)."""
+    """Every status in the `dispatchers` bucket (stale ones included: the caller decides).
+
+    The keys come from the bucket's stream info (its subjects), not a key watch, which would need
+    consumer grants on the bucket; each value is a direct get."""
+    prefix = f"$KV.{DISPATCHERS.bucket}."
     try:
         kv = await js.key_value(DISPATCHERS.bucket)
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return []
-    except nats.js.errors.BucketNotFoundError:
+        info = await js.stream_info(f"KV_{DISPATCHERS.bucket}", subjects_filter=prefix + ">")
+    except nats.js.errors.NotFoundError:
         return []
     out: list[DispatcherStatus] = []
-    for key in keys:
+    for subject in sorted(info.state.subjects or {}):
+        key = subject.removeprefix(prefix)
         try:
             entry = await kv.get(key)
             out.append(decode(entry.value or b"", DispatcherStatus))
         except nats.js.errors.KeyNotFoundError:
-            continue  # deleted meanwhile: that replica stopped
+            continue  # deleted: that replica stopped
         except DecodeError as e:
             log.warning("unreadable dispatcher status %s left out: %s", key, e)
     return out
@@ -91,7 +97,9 @@ async def latest_request(js: JetStreamContext, batch_id: str, case_id: str, run_
 
 async def _pending_from(js: JetStreamContext, seq: int) -> int:
     """Requests on the dispatchers' subjects at or after stream sequence `seq`, counted by an
-    ephemeral consumer starting there (deleted at once; the server counts without a message read)."""
+    ephemeral consumer starting there (the server counts without a message read). It is never
+    used again and the server removes it after a few idle seconds: deleting it would need a grant
+    on every consumer of CASES, durable ones included."""
     probe = await js.add_consumer(
         DISPATCHER_CASES.stream,
         jsapi.ConsumerConfig(
@@ -99,15 +107,11 @@ async def _pending_from(js: JetStreamContext, seq: int) -> int:
             deliver_policy=jsapi.DeliverPolicy.BY_START_SEQUENCE,
             opt_start_seq=max(1, seq),
             ack_policy=jsapi.AckPolicy.NONE,
-            inactive_threshold=10.0,
+            inactive_threshold=PROBE_IDLE_S,
             mem_storage=True,
         ),
     )
-    try:
-        return int(probe.num_pending or 0)
-    finally:
-        with contextlib.suppress(nats.errors.Error):
-            await js.delete_consumer(DISPATCHER_CASES.stream, probe.name)
+    return int(probe.num_pending or 0)
 
 
 async def requests_ahead(js: JetStreamContext, seq: int) -> int | None:
