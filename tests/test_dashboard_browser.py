@@ -4,16 +4,13 @@ watch a batch's cases turn green live, open a running run and read its live log 
 sealed, read the summary and the online page. Screenshots go to `.test-artifacts/dashboard/`.
 
 The services are real processes (`open_pipeline`). Chromium is installed with apt by
-`ensure_chromium` when it is missing and this runs as root; a run that cannot get it fails — it
-never skips.
+`evalbus.testing.chromium.ensure_chromium` when it is missing and this runs as root; a run that
+cannot get it fails — it never skips.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator
@@ -23,6 +20,7 @@ import aiohttp
 import pytest
 from playwright.async_api import Browser, Page, async_playwright, expect
 
+from evalbus.testing.chromium import ensure_chromium
 from evalbus.testing.pipeline import Pipeline, eventually, open_pipeline, wait_path
 from evalbus_contracts import AnswerMatchGrader, BatchSpec, CaseSpec, CommandHarness, SuiteSpec
 
@@ -42,21 +40,6 @@ CHROMIUM_FLAGS = [
 ]
 """As the machine's notes prescribe: without the background-networking flags Chromium keeps
 trying hosts this closed network refuses."""
-
-
-def ensure_chromium() -> str:
-    """Debian's chromium, installed with apt when missing (as root); fails, never skips, without it."""
-    found = shutil.which("chromium")
-    if found:
-        return found
-    if os.geteuid() == 0 and shutil.which("apt-get"):
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, timeout=600)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], check=True, env=env, timeout=900)
-        found = shutil.which("chromium")
-    if not found:
-        pytest.fail("Debian's chromium is needed for the dashboard tests: apt-get install chromium")
-    return found
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
-"""Debian's headless Chromium for the tests that need a real browser (the live screen): found on the
-machine or installed with apt when missing and running as root; a test that cannot get it fails,
-never skips (`.ci/run` installs it up front), and reading a frame's first pixel needs no imaging
-library."""
+"""Debian's headless Chromium for the tests that need a real browser (the dashboard, the live
+screen): found on the machine or installed with apt when missing and running as root; a test that
+cannot get it fails, never skips (`.ci/run` installs it up front), and reading a frame's first
+pixel needs no imaging library."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def ensure_chromium() -> str:
         subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], check=True, env=env, timeout=900)
         found = shutil.which("chromium")
     if not found:
-        pytest.fail("Debian's chromium is needed for the live screen tests: apt-get install chromium")
+        pytest.fail("Debian's chromium is needed for the browser tests: apt-get install chromium")
     return found
 
 
