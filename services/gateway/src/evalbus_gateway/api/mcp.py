@@ -307,7 +307,7 @@ ROUTES: tuple[Route, ...] = tuple(
     )
     for method, summary in (
         ("POST", "MCP messages (JSON-RPC): the run and batch reads as tools"),
-        ("GET", "MCP server-to-client stream (this stateless server answers 405)"),
+        ("GET", "MCP server-to-client stream (stateless: an empty event stream that ends at once)"),
         ("DELETE", "MCP session end (stateless: nothing to end)"),
     )
 )

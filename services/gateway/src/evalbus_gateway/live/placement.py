@@ -207,7 +207,6 @@ def project(
         return replace(base, phase=phase, reason=reason, attempt=requested_attempt, queue=queue)
 
     kinds = [m.mark.event for m in current]
-    last = current[-1].mark
     exited = next((m.mark for m in reversed(current) if m.mark.event == "exited"), None)
     placed = replace(
         base,
@@ -219,9 +218,12 @@ def project(
         oom=used.oom if used is not None and used.state == "exited" else None,
     )
     if status not in ("queued", "running"):
+        if not current:  # marks older than the LIVE stream's 15 minutes are gone (or it never ran: a re-judge)
+            return replace(placed, phase="dead", reason=f"the run settled ({status}); its live marks are gone")
         if exited is not None:
             return replace(placed, phase="dead", reason=f"the run settled ({status}); the harness {exited.message}")
         return replace(placed, phase="dead", reason=f"the run settled ({status}) without its harness running")
+    last = current[-1].mark
     if "released" in kinds:
         reason = "the sandbox was released; the run is finishing without it (trace collection, graders)"
         return replace(placed, phase="dead", reason=reason)
