@@ -37,6 +37,12 @@ class GatewaySettings(ServiceSettings):
     """Longest time a message waits for its batch to be written."""
     sse_heartbeat_s: float = 15.0
     """Seconds between SSE heartbeat comments on a quiet stream."""
+    sse_max_per_principal: int = 16
+    """Event streams (server-sent events) one principal may hold open on this replica at once; 429
+    beyond (0: no limit)."""
+    exec_per_run_per_minute: int = 30
+    """Commands (`POST /v1/runs/{run_id}/exec`) one run may be asked to run per minute on this
+    replica; 429 beyond (0: no limit)."""
     terminal_ticket_s: float = 30.0
     """How long a terminal ticket is valid (it works once, on any replica)."""
     terminal_ping_s: float = TERMINAL_PING_S

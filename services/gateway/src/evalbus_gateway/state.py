@@ -9,6 +9,7 @@ import asyncpg
 from nats.js import JetStreamContext
 
 from evalbus_gateway.api.auth import TokenTable
+from evalbus_gateway.api.limits import RunRate, StreamSlots
 from evalbus_gateway.api.sse import EventStreams
 from evalbus_gateway.errors import NotReadyError
 from evalbus_gateway.settings import GatewaySettings
@@ -29,6 +30,10 @@ class GatewayState:
         self.tokens = tokens
         self.streams = EventStreams()
         """Open SSE connections."""
+        self.stream_slots = StreamSlots()
+        """Open event streams per principal (the `sse_max_per_principal` limit)."""
+        self.exec_rate = RunRate()
+        """Exec requests per run (the `exec_per_run_per_minute` limit)."""
         self.openapi = b"{}"
         """The OpenAPI document (generated when the routes are installed)."""
         self._pool: asyncpg.Pool[asyncpg.Record] | None = None

@@ -122,6 +122,7 @@ async def run_exec(call: Call) -> web.StreamResponse:
     if problem is not None:
         raise problem
     run = await actionable_run(call, run_id)
+    call.state.exec_rate.take(run.run_id, call.state.settings.exec_per_run_per_minute)
     request = ExecRequest(command=body.command, timeout_s=body.timeout_s, principal=call.user.name)
     try:
         reply = await call.state.nc.request(
@@ -220,7 +221,10 @@ ROUTES: tuple[Route, ...] = (
         "released, settled). A command still running when the sandbox is released is killed with it (`ended`).",
         params=(_RUN_ID,),
         request=Body("The command", ExecBody),
-        responses={200: Body("The outcome", ExecView)},
+        responses={
+            200: Body("The outcome", ExecView),
+            429: Body("The run was asked too often this minute (`error.field` = `run_id`; `Retry-After`)", ErrorBody),
+        },
     ),
     Route(
         ("POST",),

@@ -36,6 +36,8 @@ def _responses(route: Route) -> dict[int, Body]:
         out.setdefault(404, _error("Unknown (or not yours) — `error.field` names the path parameter"))
     if route.request is not None:
         out.setdefault(413, _error("Request body larger than the limit (`error.field` = `$`)"))
+    if route.is_event_stream:
+        out.setdefault(429, _error("The principal holds its most open event streams (`error.field` = `Authorization`)"))
     if route.path.startswith("/v1/"):
         out.setdefault(503, _error("Starting, or the database or the bus is unavailable; retry"))
         out.setdefault(500, _error("Unexpected error (logged; no details are returned)"))

@@ -494,7 +494,12 @@ def _bind(route: Route, state: GatewayState) -> Handler:
             principal = authenticate(request, state.tokens)
             if route.access == "admin":
                 require_admin(principal)
-        return await handler(Call(request=request, state=state, principal=principal))
+        call = Call(request=request, state=state, principal=principal)
+        if principal is not None and route.is_event_stream:
+            # The handler serves the whole stream, so the slot is held for as long as it is open.
+            with state.stream_slots.hold(principal.name, state.settings.sse_max_per_principal):
+                return await handler(call)
+        return await handler(call)
 
     endpoint.__name__ = route.operation_id
     return endpoint

@@ -93,3 +93,9 @@ class Route:
     """Whether the body is required."""
     responses: dict[int, Body] = field(default_factory=dict)
     """Success (and specific) responses by status; error responses are added from the shape."""
+
+    @property
+    def is_event_stream(self) -> bool:
+        """Whether it answers server-sent events (held open for the stream's life)."""
+        ok = self.responses.get(200)
+        return ok is not None and ok.content_type == "text/event-stream"
