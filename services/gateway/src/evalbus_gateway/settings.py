@@ -38,8 +38,8 @@ class GatewaySettings(ServiceSettings):
     sse_heartbeat_s: float = 15.0
     """Seconds between SSE heartbeat comments on a quiet stream."""
     sse_max_per_principal: int = 16
-    """Event streams (server-sent events) one principal may hold open on this replica at once; 429
-    beyond (0: no limit)."""
+    """Event streams (server-sent events) one member may hold open on this replica at once; 429
+    beyond (0: no limit). Admins (the CLI, operators, benchmarks) are not capped."""
     exec_per_run_per_minute: int = 30
     """Commands (`POST /v1/runs/{run_id}/exec`) one run may be asked to run per minute on this
     replica; 429 beyond (0: no limit)."""

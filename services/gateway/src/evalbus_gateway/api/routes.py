@@ -495,7 +495,7 @@ def _bind(route: Route, state: GatewayState) -> Handler:
             if route.access == "admin":
                 require_admin(principal)
         call = Call(request=request, state=state, principal=principal)
-        if principal is not None and route.is_event_stream:
+        if principal is not None and not principal.is_admin and route.is_event_stream:
             # The handler serves the whole stream, so the slot is held for as long as it is open.
             with state.stream_slots.hold(principal.name, state.settings.sse_max_per_principal):
                 return await handler(call)
