@@ -39,6 +39,7 @@ from evalbus.testing.pipeline import REPO_ROOT, Pipeline, open_pipeline
 from evalbus_contracts import (
     BatchSpec,
     CaseSpec,
+    CommandGrader,
     CommandHarness,
     JsonlSink,
     Measured,
@@ -170,7 +171,12 @@ def spec(platforms: Platforms, gateway_url: str, dumps: dict[str, Path], exports
         trace=TraceSpec(kind="otel", endpoint=platforms.url, collect="control-plane", auth_secret=TRACE_SECRET),
     )
     cases = tuple(
-        CaseSpec(id=case, input=json.dumps({"secret_var": "AGENT_TOKEN", "dump": str(dumps[case])})) for case in CASES
+        CaseSpec(
+            id=case,
+            input=json.dumps({"secret_var": "AGENT_TOKEN", "dump": str(dumps[case])}),
+            graders=(CommandGrader(id="env", command=f"env > {dumps[case]}.grader"),),
+        )
+        for case in CASES
     )
     return BatchSpec(
         suite=SuiteSpec(id="canaries", cases=cases),
@@ -381,11 +387,17 @@ INHERITED = {
 """What a harness may inherit from the dispatcher's environment."""
 
 
+def env_file(path: Path) -> dict[str, str]:
+    """The variables `env` wrote to `path`."""
+    return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+
+
 async def test_the_harness_environment_is_an_allow_list(outcome: Outcome) -> None:
     """The harness sees evalbus's variables, the few inherited ones, its plain `env` and the one
     secret it named — no `DATABASE_URL`, no NATS URL or credentials, no `GATEWAY_ADMIN_TOKEN`, no
     `EVALBUS_SECRET_*`, no value of a secret it did not name — and none of what it sees makes the
-    gateway answer it (every value tried as a bearer token: 401)."""
+    gateway answer it (every value tried as a bearer token: 401). A sandbox grader's command sees
+    the same minus the secret."""
     services = outcome.pipeline.stack
     for case, path in outcome.dumps.items():
         seen = json.loads(path.read_text())
@@ -403,3 +415,8 @@ async def test_the_harness_environment_is_an_allow_list(outcome: Outcome) -> Non
         tries: dict[str, int] = seen["gateway"]
         assert tries["none"] == 401, tries
         assert all(status in (401, 0) for status in tries.values()), tries
+        # A sandbox grader's command runs in the same sandbox without even the named secret.
+        grader = env_file(Path(f"{path}.grader"))
+        shell = {"PWD", "OLDPWD", "SHLVL", "_"}  # what `sh -c` sets itself
+        assert set(grader) <= (allowed - {"AGENT_TOKEN"}) | shell, sorted(set(grader) - allowed - shell)
+        assert not [name for name, value in CANARIES.items() if value in "\n".join(grader.values())], case
