@@ -7,8 +7,10 @@ each with a known random canary value, given to every service as `EVALBUS_SECRET
 platforms are one local server that checks each request carries its canary (so the secrets were
 really resolved and sent) and then tries to make the services repeat it: the judge's verdict
 quotes the key it was called with, and the OTLP endpoint refuses one case quoting its token, as
-careless providers do. The harness prints its own secret on stdout and stderr, in a trace event
-and in its answer.
+careless providers do, and the trace store refuses one case's trace the same way. The trace is
+pulled by the collector (`control-plane`) in one run of the module and by the dispatcher (`job`)
+in the other. The harness prints its own secret on stdout and stderr, in a trace event and in its
+answer.
 
 Afterwards every place evalbus keeps or shows anything is searched for every canary: every message
 of every JetStream stream (CASES, LIVE, OBSERVATIONS, DLQ and the KV/object buckets, headers and
@@ -48,7 +50,11 @@ from evalbus_contracts import (
     SuiteSpec,
     TraceSpec,
 )
+from evalbus_contracts.specs import CollectMode
+from evalbus_gateway.api.auth import ADMIN_PRINCIPAL
+from evalbus_gateway.api.routes import idempotent_batch_id
 from evalbus_runtime.secrets import env_name
+from evalbus_traces.ids import trace_id_for
 
 pytestmark = pytest.mark.e2e
 
@@ -82,6 +88,8 @@ class Platforms:
     seen: dict[str, list[str]] = field(default_factory=lambda: {"trace": [], "judge": [], "sink": []})
     """The credential each endpoint received, per request."""
     refused: int = 0
+    refused_traces: set[str] = field(default_factory=set)
+    """Trace ids whose pull is refused, quoting the token (the refused case's runs)."""
 
     async def jaeger(self, request: web.Request) -> web.StreamResponse:
         auth = request.headers.get("Authorization", "")
@@ -89,6 +97,8 @@ class Platforms:
         if auth != CANARIES[TRACE_SECRET]:
             return web.json_response({"errors": [{"msg": "unauthorized"}]}, status=401)
         trace_id = request.match_info["trace_id"]
+        if trace_id in self.refused_traces:
+            return web.json_response({"errors": [{"msg": f"token {auth} may not read this trace"}]}, status=403)
         span = {
             "traceID": trace_id,
             "spanID": "00f067aa0ba902b7",
@@ -159,16 +169,19 @@ class Outcome:
     batch_id: str
     workdir: Path
     dumps: dict[str, Path]
+    collect: CollectMode
 
 
-def spec(platforms: Platforms, gateway_url: str, dumps: dict[str, Path], exports: Path) -> BatchSpec:
+def spec(
+    platforms: Platforms, gateway_url: str, dumps: dict[str, Path], exports: Path, collect: CollectMode
+) -> BatchSpec:
     harness = CommandHarness(
         id="secrets-agent",
         command=(sys.executable, str(AGENT)),
         env={"PIPELINE_GATEWAY_URL": gateway_url},
         secret_env={"AGENT_TOKEN": HARNESS_SECRET},
         timeout_s=60,
-        trace=TraceSpec(kind="otel", endpoint=platforms.url, collect="control-plane", auth_secret=TRACE_SECRET),
+        trace=TraceSpec(kind="otel", endpoint=platforms.url, collect=collect, auth_secret=TRACE_SECRET),
     )
     cases = tuple(
         CaseSpec(
@@ -199,19 +212,27 @@ def spec(platforms: Platforms, gateway_url: str, dumps: dict[str, Path], exports
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["control-plane", "job"])
 async def outcome(
-    pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory, platforms: Platforms
+    request: pytest.FixtureRequest, pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory, platforms: Platforms
 ) -> AsyncIterator[Outcome]:
-    workdir = tmp_path_factory.mktemp("canaries")
+    """The batch, its trace pulled by the collector (`control-plane`) or by the dispatcher (`job`)."""
+    collect: CollectMode = request.param
+    workdir = tmp_path_factory.mktemp(f"canaries-{collect}")
     secrets = {env_name(name): value for name, value in CANARIES.items()}
     env = {**secrets, "JUDGE_ALLOWED_BASE_URLS": f"{platforms.url}/v1"}
     async with open_pipeline(pg_admin_url, workdir, env=env) as p:
         dumps = {case: workdir / f"env-{case}.json" for case in CASES}
-        batch_id = await p.submit(spec(platforms, p.stack.gateway_url, dumps, workdir / "exports"))
+        key = f"canaries-{uuid.uuid4().hex}"
+        batch_id = idempotent_batch_id(ADMIN_PRINCIPAL, key)  # known before it runs: its refused trace too
+        platforms.refused_traces.add(trace_id_for(f"evb-{batch_id}-{REFUSED_CASE}"))
+        accepted = await p.gw.submit(
+            spec(platforms, p.stack.gateway_url, dumps, workdir / "exports", collect), idempotency_key=key
+        )
+        assert accepted.batch_id == batch_id
         await p.finalized(batch_id)
         await p.quiescent()
-        yield Outcome(pipeline=p, batch_id=batch_id, workdir=workdir, dumps=dumps)
+        yield Outcome(pipeline=p, batch_id=batch_id, workdir=workdir, dumps=dumps, collect=collect)
 
 
 # ---------------------------------------------------------------- where to look
@@ -305,10 +326,19 @@ async def test_the_secrets_were_resolved_and_sent(outcome: Outcome, platforms: P
     assert CANARIES[TRACE_SECRET] in platforms.seen["trace"]
     assert f"Bearer {CANARIES[JUDGE_SECRET]}" in platforms.seen["judge"]
     assert CANARIES[SINK_SECRET] in platforms.seen["sink"]
-    assert platforms.refused >= 1
+    if outcome.collect == "control-plane":  # in `job` mode the refused case fails before its export
+        assert platforms.refused >= 1
     runs = await p.runs(outcome.batch_id)
     assert set(runs) == set(CASES)
     for case, run in runs.items():
+        if outcome.collect == "job" and case == REFUSED_CASE:
+            # The dispatcher fails a run whose trace pull is refused (the collector soft-degrades it
+            # instead); either way the store's quote of the token is masked.
+            assert run.executed_status == "failed", run
+            assert run.failure is not None, run
+            assert run.failure.code == "collect_failed", run.failure
+            assert "token [redacted] may not read this trace" in run.failure.message, run.failure
+            continue
         assert run.executed_status == "succeeded", run
         assert run.judged_status == "judged", run
         judge = next(s for s in run.scores if s.metric == "judge:quality")
@@ -355,6 +385,8 @@ async def test_what_the_harness_printed_comes_back_masked(outcome: Outcome) -> N
     assert run.answer == "done ([redacted])", run.answer
     trajectory = msgspec.json.encode(await p.gw.trajectory(run_id))
     assert b"thinking with [redacted]" in trajectory
+    refused = msgspec.json.encode(await p.gw.trajectory(f"evb-{batch_id}-{REFUSED_CASE}"))
+    assert b"token [redacted] may not read this trace" in refused  # the store's quote, in the error event
 
 
 # ---------------------------------------------------------------- the harness's environment
