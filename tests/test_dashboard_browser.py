@@ -251,6 +251,7 @@ async def test_an_online_suite_page_shows_its_scores_fates_and_chart(pipeline: P
     await page.goto(f"{p.stack.gateway_url}/#/online")
     await page.locator(f'tr[data-suite="{suite_id}"] a').click()
     await expect(page.locator("h1")).to_have_text(f"Online suite {suite_id}")
+    await expect(page.get_by_test_id("suite-facts")).to_contain_text("ratio 100.0%")  # the default ratio
     await expect(page.get_by_test_id("online-metrics")).to_contain_text("judge:polite")
     await expect(page.get_by_test_id("online-metrics")).to_contain_text(expected)
     chart = page.locator('svg[aria-label="pass rate by hour, last 24 h"]')

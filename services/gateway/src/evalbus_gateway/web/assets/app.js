@@ -477,7 +477,7 @@ async function onlineView() {
         el("td", {}, el("a", { href: `#/online/${encodeURIComponent(suite.id)}` }, suite.id)),
         el("td", {}, [suite.target.service, suite.target.agent, suite.target.workflow].filter(Boolean).join(" / ") +
           Object.entries(suite.target.attributes || {}).map(([k, v]) => ` ${k}=${v}`).join("")),
-        el("td", { class: "num" }, fmt(suite.sample_ratio, true)),
+        el("td", { class: "num" }, fmt(suite.sample_ratio ?? 1, true)),
         el("td", {}, (suite.judges || []).map((j) => j.id).join(", ")),
         el("td", {}, `${when(applied_at)} by ${applied_by}`))))));
 }
@@ -488,7 +488,8 @@ async function onlineSuiteView(suiteId) {
   const metrics = [...new Set(detail.metrics.map((m) => m.metric))];
   const cell = (metric, window) => detail.metrics.find((m) => m.metric === metric && m.window === window);
   show(el("h1", {}, `Online suite ${detail.suite.id}`),
-    el("p", { class: "sub" }, `ratio ${fmt(detail.suite.sample_ratio, true)} · applied ${when(detail.applied_at)} by ${detail.applied_by}`),
+    // a field left at its default is not in the JSON (sample_ratio 1.0)
+    el("p", { class: "sub", "data-testid": "suite-facts" }, `ratio ${fmt(detail.suite.sample_ratio ?? 1, true)} · applied ${when(detail.applied_at)} by ${detail.applied_by}`),
     el("h2", {}, "Scores"),
     metrics.length ? el("div", { class: "grid2" },
       el("table", { "data-testid": "online-metrics" },
@@ -522,7 +523,16 @@ const ROUTES = [
   [/^#\/online\/(.+)$/, (m) => onlineSuiteView(decodeURIComponent(m[1])), "online"],
 ];
 
-async function route() {
+// Pages render one after another, in the order they were asked for: a page still loading when the
+// reader moves on (or the first page, when the address already names another) cannot land after
+// the newer one and replace it.
+let routing = Promise.resolve();
+function route() {
+  routing = routing.then(renderRoute, renderRoute);
+  return routing;
+}
+
+async function renderRoute() {
   closeStreams();
   const hash = location.hash || "#/batches";
   for (const [pattern, view, nav] of ROUTES) {
