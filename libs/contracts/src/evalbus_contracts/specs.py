@@ -190,6 +190,22 @@ class TraceSpec(_Spec, frozen=True, kw_only=True):
     """Per-harness overrides of span attribute → trace event field."""
 
 
+class ComputeSpec(_Spec, frozen=True, kw_only=True):
+    """What a case's job asks a cluster backend (Kubernetes, Nomad) for; the local backend ignores it."""
+
+    image: str | None = None
+    """Container image holding the harness and the in-job runner (`python -m evalbus.runner`);
+    None: the dispatcher's default image (`DISPATCHER_IMAGE`)."""
+    cpu: Annotated[float, msgspec.Meta(gt=0, le=1024)] = 1.0
+    """CPU cores requested and limited."""
+    memory_mb: Annotated[int, msgspec.Meta(ge=4, le=4 * 1024 * 1024)] = 1024
+    """Memory requested and limited, MiB (past it the orchestrator kills the job: OOM)."""
+    gpus: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
+    """GPUs requested (`nvidia.com/gpu` on Kubernetes, a `nvidia/gpu` device on Nomad)."""
+    node_selector: dict[str, str] = msgspec.field(default_factory=dict)
+    """Node labels (Kubernetes) or node metadata (Nomad constraints) the job must land on."""
+
+
 class CommandHarness(_Spec, frozen=True, kw_only=True, tag_field="kind", tag="command"):
     """An agent run as a command: input on stdin, answer on stdout, trace events on stdout lines."""
 
@@ -209,6 +225,8 @@ class CommandHarness(_Spec, frozen=True, kw_only=True, tag_field="kind", tag="co
     """Seconds before the process group is killed (exit 124)."""
     trace: TraceSpec = msgspec.field(default_factory=TraceSpec)
     """Trace platform and collection."""
+    compute: ComputeSpec = msgspec.field(default_factory=ComputeSpec)
+    """Image, resources and node selection on a cluster backend."""
 
 
 HarnessSpec = CommandHarness
@@ -262,6 +280,15 @@ class NumericJudge(_Judge, frozen=True, kw_only=True, tag="numeric"):
     """Tolerance is relative to |expected|."""
 
 
+class ModelPrice(_Spec, frozen=True, kw_only=True):
+    """A model's list price in US dollars per million tokens."""
+
+    input_per_mtok: Annotated[float, msgspec.Meta(ge=0.0)]
+    """Dollars per million prompt tokens."""
+    output_per_mtok: Annotated[float, msgspec.Meta(ge=0.0)]
+    """Dollars per million completion tokens."""
+
+
 class ModelJudge(_Judge, frozen=True, kw_only=True, tag="model"):
     """An LLM judge over the OpenAI-compatible chat-completions API, scoring a rubric 0..1."""
 
@@ -279,6 +306,9 @@ class ModelJudge(_Judge, frozen=True, kw_only=True, tag="model"):
     """Per-request timeout."""
     max_retries: int = 3
     """Retries on 429/5xx (honouring Retry-After, bounded)."""
+    price: ModelPrice | None = None
+    """What the model costs, to account the judge's spend (None: the provider's reported cost,
+    else tokens only with the cost unmeasured)."""
 
 
 class EmbeddingJudge(_Judge, frozen=True, kw_only=True, tag="embedding"):
@@ -433,3 +463,7 @@ class OnlineSuiteSpec(_Spec, frozen=True, kw_only=True):
     delay_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 0.0
     """Decide (and judge) an observation only this long after it was received: time for late
     feedback or late spans (0: at once)."""
+    budget_usd_per_day: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    """At most this many US dollars of model-judge calls per UTC day, counted across every judge
+    replica; once it is spent the suite's model judges are not called (the observation's fate is
+    `skipped`, reason `over_budget`) while its other judges still run (None: no budget)."""
