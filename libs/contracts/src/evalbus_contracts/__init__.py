@@ -49,7 +49,7 @@ from evalbus_contracts.results import (
     TraceRef,
 )
 from evalbus_contracts.sampling import sampled_by_trace_id
-from evalbus_contracts.scores import Invalid, JudgeUsage, Measured, Score, Unmeasured, UnmeasuredReason
+from evalbus_contracts.scores import Invalid, Measured, Score, Unmeasured, UnmeasuredReason
 from evalbus_contracts.specs import (
     AnswerMatchGrader,
     BatchPolicy,
@@ -70,7 +70,6 @@ from evalbus_contracts.specs import (
     JudgeSpec,
     LatencyGrader,
     ModelJudge,
-    ModelPrice,
     NumericJudge,
     OnlineSuiteSpec,
     OnlineTarget,
@@ -94,7 +93,6 @@ from evalbus_contracts.summary import (
     BatchSummary,
     ExportSummary,
     Interval,
-    JudgeUsageSummary,
     MetricSummary,
     PassAtK,
     SinkOutcome,
@@ -171,8 +169,6 @@ __all__ = [
     "JsonSchemaJudge",
     "JsonlSink",
     "JudgeSpec",
-    "JudgeUsage",
-    "JudgeUsageSummary",
     "KvDef",
     "LatencyGrader",
     "LiveLog",
@@ -184,7 +180,6 @@ __all__ = [
     "Message",
     "MetricSummary",
     "ModelJudge",
-    "ModelPrice",
     "NumericJudge",
     "ObservationFate",
     "ObservationReceived",

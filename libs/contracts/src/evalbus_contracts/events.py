@@ -228,6 +228,8 @@ class CaseObserved(_Event, frozen=True, kw_only=True, tag="case.observed"):
     """Judges to apply."""
     expected: str | None = None
     """Reference answer, if any."""
+    budget_usd_per_day: float | None = None
+    """The suite's daily model-judge budget when it was sampled (None: none)."""
 
     def subject(self) -> str:
         return s.case_subject(s.CASE_OBSERVED, self.suite_id, self.observation_id)
@@ -412,6 +414,7 @@ FateReason = Literal[
     "filtered",
     "not_sampled",
     "over_rate_cap",
+    "over_budget",
     "invalid_trace_id",
     "too_large",
     "late_spans",
@@ -422,7 +425,8 @@ FateReason = Literal[
 """Why: `sampled` / `judged` for those fates; skipped: `no_suite` (no online suite is defined),
 `not_target` (the suite's service / agent / workflow differs), `filtered` (an attribute differs),
 `not_sampled` (outside the suite's ratio), `over_rate_cap` (the suite's `rate_per_min` was
-reached this minute); dropped: `invalid_trace_id`, `too_large`; late:
+reached this minute), `over_budget` (the suite's `budget_usd_per_day` was spent: its model judges
+were not called; its other judges still ran); dropped: `invalid_trace_id`, `too_large`; late:
 `late_spans` (spans arrived after the trace was assembled; they are not judged);
 dead_lettered: `max_deliver` (a service gave up on it after its deliveries) or `poison` (a service
 could not read it)."""

@@ -24,6 +24,24 @@ ScoreSource = Literal["grader", "judge"]
 """Who produced a score."""
 
 
+class JudgeUsage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What producing one judge score cost: the model calls a model judge made for it."""
+
+    model: str | None = None
+    """Model name the judge asked for."""
+    calls: int = 1
+    """Completed (billed) calls; attempts answered 429 or 5xx are not billed and not counted."""
+    input_tokens: int | None = None
+    """Prompt tokens, as the provider reported them (None: it reported none)."""
+    output_tokens: int | None = None
+    """Completion tokens, as the provider reported them."""
+    cost_usd: float | None = None
+    """Cost in US dollars: from the judge spec's `price` and the tokens, else the provider's own
+    reported cost; None when neither is known (unmeasured, never 0)."""
+    cost_source: Literal["price", "provider"] | None = None
+    """Where `cost_usd` came from."""
+
+
 class _ScoreBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="status", omit_defaults=True):
     grader_id: str
     """Id of the grader or judge that produced the score."""
@@ -33,6 +51,8 @@ class _ScoreBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="status", 
     """Grader (execution side) or judge."""
     detail: str | None = None
     """Human-readable explanation."""
+    usage: JudgeUsage | None = None
+    """Tokens and cost of the model calls behind a judge score (None: no model was called)."""
 
 
 class Measured(_ScoreBase, frozen=True, kw_only=True, tag="measured"):

@@ -126,6 +126,22 @@ class StageCounts(_Data, frozen=True, kw_only=True):
     """Runs cancelled before they started."""
 
 
+class JudgeUsageSummary(_Data, frozen=True, kw_only=True):
+    """Tokens and cost of the model-judge calls behind a batch's (or a suite's) judge scores, kept
+    apart from the agent's own cost metrics."""
+
+    calls: int = 0
+    """Billed model-judge calls."""
+    input_tokens: int = 0
+    """Prompt tokens the providers reported."""
+    output_tokens: int = 0
+    """Completion tokens the providers reported."""
+    cost_usd: float | None = None
+    """Dollars of the calls whose cost is known (None: none is)."""
+    unpriced_calls: int = 0
+    """Calls whose cost is unknown (no price in the spec, none reported): `cost_usd` leaves them out."""
+
+
 class BatchSummary(_Data, frozen=True, kw_only=True):
     """The batch's aggregate."""
 
@@ -137,6 +153,8 @@ class BatchSummary(_Data, frozen=True, kw_only=True):
     """pass@k when trials > 1."""
     counts: StageCounts = msgspec.field(default_factory=StageCounts)
     """Stage counts."""
+    judge_usage: JudgeUsageSummary | None = None
+    """Tokens and cost of the model judges (None: no model judge was called)."""
 
 
 class SinkOutcome(_Data, frozen=True, kw_only=True):
