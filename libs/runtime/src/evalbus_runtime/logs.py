@@ -1,4 +1,5 @@
-"""JSON logs carrying the run / batch ids of the message being handled (via contextvars)."""
+"""JSON logs carrying the run / batch ids and the trace id of the message being handled (via
+contextvars), so a log line leads to the run's trace and back."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from datetime import UTC, datetime
 
 import msgspec
 
+from evalbus_runtime.tracing import current_trace_id
+
 run_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("run_id", default=None)
 batch_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("batch_id", default=None)
 
@@ -16,7 +19,7 @@ _encoder = msgspec.json.Encoder()
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, service, logger, message, run/batch ids, error."""
+    """One JSON object per line: time, level, service, logger, message, run/batch/trace ids, error."""
 
     def __init__(self, service: str) -> None:
         super().__init__()
@@ -36,6 +39,9 @@ class JsonFormatter(logging.Formatter):
         batch_id = batch_id_var.get()
         if batch_id:
             doc["batch_id"] = batch_id
+        trace_id = current_trace_id()
+        if trace_id:
+            doc["trace_id"] = trace_id
         extra = getattr(record, "fields", None)
         if isinstance(extra, dict):
             doc.update(extra)

@@ -21,9 +21,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from evalbus_contracts import encode
-from evalbus_contracts.events import EventBase
+from evalbus_contracts.events import CaseRequested, EventBase
 from evalbus_runtime.errors import PublishFailedError
-from evalbus_runtime.tracing import inject_traceparent
+from evalbus_runtime.tracing import inject_run_traceparent, inject_traceparent
 
 log = logging.getLogger("evalbus.publisher")
 
@@ -51,11 +51,16 @@ def _parse_ack(data: bytes) -> PubAck | str:
 
 
 def event_headers(event: EventBase, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The headers every event goes out with: its dedup id, type, schema version, `traceparent`."""
+    """The headers every event goes out with: its dedup id, type, schema version, `traceparent`
+    (a `case.requested` starts its run's own trace, linked to the current span)."""
     headers = {"Nats-Msg-Id": event.msg_id(), "Evalbus-Type": event.type, "Evalbus-Version": str(event.v)}
     if extra:
         headers.update(extra)
-    inject_traceparent(headers)
+    if isinstance(event, CaseRequested) and event.run_id:
+        attributes = {"evalbus.batch_id": event.batch_id or "", "evalbus.case_id": event.case_id or ""}
+        inject_run_traceparent(headers, event.run_id, {**attributes, "evalbus.attempt": str(event.attempt)})
+    else:
+        inject_traceparent(headers)
     return headers
 
 
