@@ -49,7 +49,7 @@ from evalbus_contracts.results import (
     TraceRef,
 )
 from evalbus_contracts.sampling import sampled_by_trace_id
-from evalbus_contracts.scores import Invalid, Measured, Score, Unmeasured, UnmeasuredReason
+from evalbus_contracts.scores import Invalid, JudgeUsage, Measured, Score, Unmeasured, UnmeasuredReason
 from evalbus_contracts.specs import (
     AnswerMatchGrader,
     BatchPolicy,
@@ -70,6 +70,7 @@ from evalbus_contracts.specs import (
     JudgeSpec,
     LatencyGrader,
     ModelJudge,
+    ModelPrice,
     NumericJudge,
     OnlineSuiteSpec,
     OnlineTarget,
@@ -93,6 +94,7 @@ from evalbus_contracts.summary import (
     BatchSummary,
     ExportSummary,
     Interval,
+    JudgeUsageSummary,
     MetricSummary,
     PassAtK,
     SinkOutcome,
@@ -169,6 +171,8 @@ __all__ = [
     "JsonSchemaJudge",
     "JsonlSink",
     "JudgeSpec",
+    "JudgeUsage",
+    "JudgeUsageSummary",
     "KvDef",
     "LatencyGrader",
     "LiveLog",
@@ -180,6 +184,7 @@ __all__ = [
     "Message",
     "MetricSummary",
     "ModelJudge",
+    "ModelPrice",
     "NumericJudge",
     "ObservationFate",
     "ObservationReceived",

@@ -280,6 +280,15 @@ class NumericJudge(_Judge, frozen=True, kw_only=True, tag="numeric"):
     """Tolerance is relative to |expected|."""
 
 
+class ModelPrice(_Spec, frozen=True, kw_only=True):
+    """A model's list price in US dollars per million tokens."""
+
+    input_per_mtok: Annotated[float, msgspec.Meta(ge=0.0)]
+    """Dollars per million prompt tokens."""
+    output_per_mtok: Annotated[float, msgspec.Meta(ge=0.0)]
+    """Dollars per million completion tokens."""
+
+
 class ModelJudge(_Judge, frozen=True, kw_only=True, tag="model"):
     """An LLM judge over the OpenAI-compatible chat-completions API, scoring a rubric 0..1."""
 
@@ -297,6 +306,9 @@ class ModelJudge(_Judge, frozen=True, kw_only=True, tag="model"):
     """Per-request timeout."""
     max_retries: int = 3
     """Retries on 429/5xx (honouring Retry-After, bounded)."""
+    price: ModelPrice | None = None
+    """What the model costs, to account the judge's spend (None: the provider's reported cost,
+    else tokens only with the cost unmeasured)."""
 
 
 class EmbeddingJudge(_Judge, frozen=True, kw_only=True, tag="embedding"):
@@ -451,3 +463,7 @@ class OnlineSuiteSpec(_Spec, frozen=True, kw_only=True):
     delay_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 0.0
     """Decide (and judge) an observation only this long after it was received: time for late
     feedback or late spans (0: at once)."""
+    budget_usd_per_day: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    """At most this many US dollars of model-judge calls per UTC day, counted across every judge
+    replica; once it is spent the suite's model judges are not called (the observation's fate is
+    `skipped`, reason `over_budget`) while its other judges still run (None: no budget)."""
