@@ -86,14 +86,14 @@ def test_a_key_of_another_kind_is_unknown_in_this_one() -> None:
 
 def test_values_outside_their_set_list_the_allowed_ones() -> None:
     data = doc(cases=[{"id": "c1", "input": "x", "graders": [{"kind": "answer-matcher", "id": "a"}]}])
-    data["harness"]["kind"] = "worker"
+    data["harness"]["kind"] = "shell"
     data["harness"]["trace"] = {"kind": "otel", "collect": "later"}
     data["judges"] = [{"kind": "exact", "id": "e"}, {"kind": "contain", "id": "c"}]
     problems = {p.field: p.message for p in strict_problems(data, BatchSpec)}
     assert problems["$.suite.cases[0].graders[0].kind"].startswith("Invalid value 'answer-matcher'; did you mean")
     assert "'answer-match'" in problems["$.suite.cases[0].graders[0].kind"]
     assert "tests-pass" in problems["$.suite.cases[0].graders[0].kind"]
-    assert problems["$.harness.kind"] == "Invalid value 'worker'; expected one of: command"
+    assert problems["$.harness.kind"] == "Invalid value 'shell'; expected one of: command, worker"
     assert problems["$.harness.trace.collect"] == "Invalid value 'later'; expected one of: control-plane, job"
     assert "did you mean 'contains'?" in problems["$.judges[1].kind"]
     assert len(problems) == 4

@@ -5,6 +5,7 @@ Specs carry secret *names* only; values are resolved where they are used and nev
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -206,15 +207,30 @@ class ComputeSpec(_Spec, frozen=True, kw_only=True):
     """Node labels (Kubernetes) or node metadata (Nomad constraints) the job must land on."""
 
 
-class CommandHarness(_Spec, frozen=True, kw_only=True, tag_field="kind", tag="command"):
-    """An agent run as a command: input on stdin, answer on stdout, trace events on stdout lines."""
+HarnessKind = Literal["command", "worker"]
+"""How the agent runs: a process per case, or a warm worker process per compute slot."""
 
+
+class HarnessSpec(_Spec, frozen=True, kw_only=True):
+    """The agent: a command run once per case, or a warm worker serving cases over the worker
+    protocol (docs/harness.md)."""
+
+    kind: HarnessKind = "command"
+    """`command`: one process group per case (input on stdin, `EVALBUS_EVENT`/`EVALBUS_RESULT`
+    lines on stdout); `worker`: one long-lived process per compute slot, handed one case at a time
+    over the JSON-lines worker protocol, each case in its own workdir with its own run id."""
     id: str
     """Harness id."""
     version: str = "1"
     """Harness version."""
-    command: tuple[str, ...]
-    """argv of the agent (no shell)."""
+    command: tuple[str, ...] = ()
+    """argv of the agent (no shell); required for `command`, for `worker` the worker's argv
+    (unless `python` is given)."""
+    python: str | None = None
+    """`worker` only: `module:function` (or `/path/to/file.py:function`) served by the Python SDK,
+    run as `<the dispatcher's python> -m evalbus.harness <python>`; instead of `command`."""
+    max_cases_per_worker: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """`worker` only: a worker is retired and replaced after this many cases (0: never)."""
     env: dict[str, str] = msgspec.field(default_factory=dict)
     """Extra environment (plain values only)."""
     secret_env: dict[str, str] = msgspec.field(default_factory=dict)
@@ -222,15 +238,39 @@ class CommandHarness(_Spec, frozen=True, kw_only=True, tag_field="kind", tag="co
     files: dict[str, str] = msgspec.field(default_factory=dict)
     """Relative path → content, written into the workdir before the run."""
     timeout_s: float = 600.0
-    """Seconds before the process group is killed (exit 124)."""
+    """Seconds a case may run: past it the process group is killed (exit 124) — for `worker`, the
+    worker serving it, which is then replaced."""
     trace: TraceSpec = msgspec.field(default_factory=TraceSpec)
     """Trace platform and collection."""
     compute: ComputeSpec = msgspec.field(default_factory=ComputeSpec)
     """Image, resources and node selection on a cluster backend."""
 
 
-HarnessSpec = CommandHarness
-"""Any harness (only the command harness today)."""
+CommandHarness = HarnessSpec
+"""The harness spec under its first name (`kind` defaults to `command`)."""
+
+_PYTHON_TARGET = re.compile(r"^[^:\s]+:[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def harness_problems(harness: HarnessSpec, at: str = "$.harness") -> list[tuple[str, str]]:
+    """The rules a harness spec breaks, as (field path, message); empty when it is valid."""
+    out: list[tuple[str, str]] = []
+    has_command = bool(harness.command) and bool(harness.command[0].strip())
+    if harness.kind == "command":
+        if not has_command:
+            out.append((f"{at}.command", "missing: a command harness needs its argv, at least the program"))
+        if harness.python is not None:
+            out.append((f"{at}.python", "only a worker harness (kind: worker) serves a Python function"))
+        if harness.max_cases_per_worker:
+            out.append((f"{at}.max_cases_per_worker", "only a worker harness (kind: worker) has workers to recycle"))
+    elif harness.python is not None:
+        if harness.command:
+            out.append((f"{at}.command", "a worker harness takes either command or python, not both"))
+        if not _PYTHON_TARGET.match(harness.python):
+            out.append((f"{at}.python", "must be module:function (or /path/to/file.py:function)"))
+    elif not has_command:
+        out.append((f"{at}.command", "missing: a worker harness needs command (the worker's argv) or python"))
+    return out
 
 
 # ---------------------------------------------------------------- judges

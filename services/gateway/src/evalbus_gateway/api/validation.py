@@ -23,6 +23,7 @@ import msgspec
 from aiohttp import web
 
 from evalbus_contracts import BatchSpec, CommandGrader, JudgeSpec, RegexJudge, TextMetricGrader, decode
+from evalbus_contracts.specs import harness_problems
 from evalbus_contracts.strict import StrictProblem, strict_problems
 from evalbus_gateway.api.errors import ApiError, invalid
 from evalbus_grading.gates import gate_problems
@@ -196,8 +197,7 @@ def batch_spec_problems(spec: BatchSpec) -> list[SpecProblem]:
                 out.append(_regex_problem(grader.pattern, f"{g_at}.pattern", groups=1))
     harness = spec.harness
     out.append(_id_problem(harness.id, "$.harness.id", "harness id"))
-    if not harness.command or not harness.command[0].strip():
-        out.append(SpecProblem("$.harness.command", "the harness command needs at least the program"))
+    out.extend(SpecProblem(field, message) for field, message in harness_problems(harness))
     if harness.timeout_s <= 0:
         out.append(SpecProblem("$.harness.timeout_s", "must be greater than 0"))
     out.extend(judges_problems(spec.judges, "$.judges"))
