@@ -317,6 +317,11 @@ class _Execution:
                 "run", "agent", "oom", f"harness was killed by the out-of-memory killer (exit {run.exit_code})",
                 log_tail=tail,
             )  # fmt: skip
+        elif run.failure is not None:
+            failed = run.failure
+            held.failure = self._failure(
+                "run", failed.failure_class, failed.code, failed.message, retryable=failed.retryable, log_tail=tail
+            )
         elif run.exit_code != 0:
             held.failure = self._failure(
                 "run", "agent", "exit_nonzero", f"harness exited with {run.exit_code}", log_tail=tail

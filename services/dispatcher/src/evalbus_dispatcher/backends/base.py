@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 from evalbus_contracts import CaseRequested, Snapshot
+from evalbus_contracts.results import FailureClass
 from evalbus_grading import ExecResult
 
 OutputStream = Literal["stdout", "stderr"]
@@ -22,6 +23,21 @@ OnOutput = Callable[[OutputStream, str], Awaitable[None]]
 
 OnSpawn = Callable[[int], Awaitable[None]]
 """Called with the harness's process id once it exists (before its output is read)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunFailure:
+    """How a harness run failed when its exit code alone cannot say (a warm worker that crashed,
+    was killed or broke the protocol; a worker harness's function that raised)."""
+
+    code: str
+    """Stable machine code (`worker_crashed`, `worker_killed`, `worker_protocol`, `harness_error`...)."""
+    failure_class: FailureClass
+    """Whose fault."""
+    message: str
+    """Human-readable explanation (secrets already redacted)."""
+    retryable: bool = False
+    """Whether running the case again may succeed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +66,8 @@ class HarnessRun:
     """Whether the out-of-memory killer ended it (None: cannot tell)."""
     pid: int | None = None
     """Process id the harness ran as."""
+    failure: RunFailure | None = None
+    """Why the run failed, when the backend knows better than the exit code (worker harnesses)."""
 
 
 @dataclass(frozen=True, slots=True)
