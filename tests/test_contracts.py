@@ -84,8 +84,19 @@ def strategy(t: mi.Type) -> st.SearchStrategy[Any]:
         low, high = _int_bounds(t)
         return st.integers(low, high)
     if isinstance(t, mi.FloatType):
-        return st.floats(min_value=t.ge, max_value=t.le, allow_nan=False, allow_infinity=False, exclude_min=False)
+        floor, ceiling = (t.ge if t.ge is not None else t.gt), (t.le if t.le is not None else t.lt)
+        return st.floats(
+            min_value=floor,
+            max_value=ceiling,
+            allow_nan=False,
+            allow_infinity=False,
+            exclude_min=t.ge is None and t.gt is not None,
+            exclude_max=t.le is None and t.lt is not None,
+        )
     if isinstance(t, mi.StrType):
+        if t.pattern is not None:
+            longest = t.max_length or 64
+            return st.from_regex(t.pattern, fullmatch=True).filter(lambda s: len(s) <= longest)
         return st.text(max_size=12)
     if isinstance(t, mi.DateTimeType):
         return st.datetimes(timezones=st.just(UTC))

@@ -21,7 +21,7 @@ def test_committed_schemas_match_the_contracts() -> None:
 
 def test_there_is_one_schema_per_event_and_per_spec() -> None:
     names = set(render_schemas())
-    specs = {"batch-spec.json", "online-suite.json"}
+    specs = {"batch-spec.json", "online-suite.json", "object-ref.json"}
     assert names == {f"{k.__struct_config__.tag}.json" for k in EVENT_TYPES} | specs
 
 

@@ -35,6 +35,7 @@ from evalbus_contracts.events import (
     utcnow,
 )
 from evalbus_contracts.ids import InvalidIdError, batch_run_id, decode_token, encode_token, standalone_run_id
+from evalbus_contracts.objects import DatasetIndex, ObjectRef
 from evalbus_contracts.placement import DispatcherStatus, PlacementSample
 from evalbus_contracts.results import (
     BrowserSnapshot,
@@ -86,8 +87,18 @@ from evalbus_contracts.specs import (
     TextMetricGrader,
     TraceSpec,
     needs_compute,
+    suite_case_count,
 )
-from evalbus_contracts.streams import BUCKETS, CONSUMERS, STREAMS, ConsumerDef, KvDef, StreamDef
+from evalbus_contracts.streams import (
+    BUCKETS,
+    CONSUMERS,
+    OBJECT_BUCKETS,
+    STREAMS,
+    ConsumerDef,
+    KvDef,
+    ObjectBucketDef,
+    StreamDef,
+)
 from evalbus_contracts.summary import (
     FLAKY_CASES_LISTED,
     BatchError,
@@ -122,6 +133,7 @@ __all__ = [
     "CONSUMERS",
     "EVENT_TYPES",
     "FLAKY_CASES_LISTED",
+    "OBJECT_BUCKETS",
     "STREAMS",
     "AnswerMatchGrader",
     "Artifact",
@@ -150,6 +162,7 @@ __all__ = [
     "ConsumerDef",
     "ContainsJudge",
     "CostGrader",
+    "DatasetIndex",
     "DeadLetter",
     "DecodeError",
     "DispatcherStatus",
@@ -186,6 +199,8 @@ __all__ = [
     "ModelJudge",
     "ModelPrice",
     "NumericJudge",
+    "ObjectBucketDef",
+    "ObjectRef",
     "ObservationFate",
     "ObservationReceived",
     "ObservationSpans",
@@ -238,6 +253,7 @@ __all__ = [
     "sampled_by_trace_id",
     "standalone_run_id",
     "subjects",
+    "suite_case_count",
     "to_builtins",
     "utcnow",
 ]

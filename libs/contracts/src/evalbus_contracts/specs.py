@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from evalbus_contracts.objects import DatasetIndex, ObjectRef
+
 TraceKind = Literal["none", "otel", "mlflow", "langfuse", "langsmith", "phoenix"]
 """Where a harness exports its trace (`none`: only what it prints)."""
 PlatformKind = Literal["otel", "mlflow", "langfuse", "langsmith", "phoenix"]
@@ -159,10 +161,23 @@ class SuiteSpec(_Spec, frozen=True, kw_only=True):
     """Suite version."""
     description: str | None = None
     """Free text."""
-    cases: tuple[CaseSpec, ...]
-    """The cases."""
+    cases: tuple[CaseSpec, ...] = ()
+    """The cases, inline (a small suite; empty when `dataset_ref` holds them)."""
     tags: tuple[str, ...] = ()
     """Free tags."""
+    dataset_ref: ObjectRef | None = None
+    """The cases as an uploaded JSONL object (`POST /v1/datasets`: one `CaseSpec` per line), for a
+    suite too large to ride in an event; given instead of `cases`."""
+    dataset_index: DatasetIndex | None = None
+    """Set by the gateway when it has validated `dataset_ref`: the case count and objective metrics
+    the services need without reading the object."""
+
+
+def suite_case_count(suite: SuiteSpec) -> int:
+    """Distinct case ids of a suite, inline or in its validated dataset."""
+    if suite.dataset_index is not None:
+        return suite.dataset_index.cases
+    return len({case.id for case in suite.cases})
 
 
 # ---------------------------------------------------------------- harness and trace

@@ -64,6 +64,21 @@ class KvDef(msgspec.Struct, frozen=True, kw_only=True):
     """Largest value accepted, bytes (-1: server limit)."""
 
 
+class ObjectBucketDef(msgspec.Struct, frozen=True, kw_only=True):
+    """A JetStream object store bucket (a stream underneath, `OBJ_<bucket>`): payloads too large for
+    an event, which the event names by `ObjectRef`."""
+
+    bucket: str
+    """Bucket name."""
+    ttl_s: float = 0.0
+    """Oldest object kept, seconds (0: forever, as long as the event store keeps the events that
+    name it)."""
+    chunk_size: int = 128 * 1024
+    """Bytes per chunk message written: well under a stock nats-server's 1 MB `max_payload`."""
+    description: str = ""
+    """What the bucket holds (shown by `nats object ls`)."""
+
+
 CASES = StreamDef(name="CASES", subjects=("batch.>", "case.>", "online.>", "suite.>"), duplicate_window_s=3600.0)
 LIVE = StreamDef(
     name="LIVE", subjects=("run.*.live.>",), max_age_s=15 * 60.0, max_msgs_per_subject=2000, duplicate_window_s=120.0
@@ -128,6 +143,17 @@ TERMINAL_TICKETS = KvDef(bucket="terminal-tickets", ttl_s=120.0, max_value_size=
 consuming one is an atomic delete at its revision, so a ticket works once on any gateway replica."""
 
 BUCKETS: tuple[KvDef, ...] = (DISPATCHERS, TERMINAL_TICKETS)
+
+DATASETS = ObjectBucketDef(bucket="datasets", description="evalbus: uploaded datasets (JSONL of cases)")
+"""Datasets uploaded through `POST /v1/datasets`; a `batch.requested` names one by `ObjectRef`. No
+TTL: the event store keeps every `batch.requested` forever, and a re-judge or a replay may read its
+dataset again, so an object lives as long as the events that name it (an operator who trims old
+batches deletes their objects with them)."""
+ARTIFACTS = ObjectBucketDef(bucket="artifacts", description="evalbus: large stdout, traces and artifacts of runs")
+"""Payloads of runs above the inline threshold; no TTL for the same reason as `DATASETS` (a sealed
+trajectory's hash covers their digests)."""
+
+OBJECT_BUCKETS: tuple[ObjectBucketDef, ...] = (DATASETS, ARTIFACTS)
 
 CONSUMERS: tuple[ConsumerDef, ...] = (
     DISPATCHER_BATCHES,
