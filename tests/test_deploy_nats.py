@@ -153,7 +153,7 @@ PRODUCERS = {
         subjects.OBS_SPANS,
         subjects.OBS_RECEIVED,
     },
-    "judge": {subjects.CASE_JUDGED},
+    "judge": {subjects.CASE_JUDGED, subjects.ONLINE_FATE},  # fate: skipped over the suite's daily budget
     "exporter": {subjects.CASE_EXPORTED},
 }
 """Who produces what (DESIGN.md's services table, and the gateway's re-judge)."""

@@ -30,6 +30,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
+from evalbus.testing.chat_server import ChatCompletionsServer
 from evalbus.testing.pipeline import Pipeline, eventually, open_pipeline, read_stream
 from evalbus_contracts import CaseObserved, CasePlan, CaseResult, encode, encode_token, sampled_by_trace_id
 
@@ -472,3 +473,129 @@ async def test_a_rate_cap_and_a_delay_hold_for_a_suite(pipeline: Pipeline) -> No
         assert reasons["sampled"] == min(3, decided_n), (minute, reasons)
     sampled = sum(r["sampled"] for r in per_minute.values())
     assert await judged(p, suite_id) == sampled
+
+
+async def test_a_daily_budget_stops_model_judges_and_spares_rule_judges(pipeline: Pipeline) -> None:
+    """Two suites on the same traces, each with a daily budget of three model-judge calls (the
+    provider reports 10 + 5 tokens a call, priced at $100 per million: $0.0015 a call): a suite of a
+    rule and a model judge, and one of a model judge only. Traces sent one after another: per suite
+    exactly three get a model score, every later one is `skipped: over_budget` — the mixed suite's
+    still judged by its rule judge, the other's not judged at all — the provider got exactly those
+    six calls, and the stats, the per-trace answer and the judge's Prometheus counter say so."""
+    p = pipeline
+    provider = ChatCompletionsServer()
+    await provider.start()
+    try:
+        tag = uuid.uuid4().hex[:6]
+        service = f"budget-bot-{tag}"
+        model = {
+            "kind": "model",
+            "id": "quality",
+            "base_url": f"{provider.root}/v1",
+            "rubric": "polite and correct",
+            "price": {"input_per_mtok": 100.0, "output_per_mtok": 100.0},
+        }
+        polite = {"kind": "regex", "id": "polite", "pattern": "(?i)thank"}
+        suites = {f"mixed-{tag}": [polite, model], f"model-{tag}": [model]}
+        for suite_id, judges in suites.items():
+            status, applied = await api(
+                p,
+                "POST",
+                "/v1/online/suites",
+                {"id": suite_id, "target": {"service": service}, "judges": judges, "budget_usd_per_day": 0.0045},
+            )
+            assert status == 201, applied
+            assert applied["suite"]["budget_usd_per_day"] == 0.0045
+        # the collector follows suites from the stream: a trace of another service tells when it knows both
+        probe = application(p.stack.otlp_url, f"probe-{tag}")
+        probe_trace = await asyncio.to_thread(serve_request, probe, "ping", "pong")
+        probe.shutdown()
+
+        async def known() -> bool:
+            _, answer = await api(p, "GET", f"/v1/online/observations/{probe_trace}")
+            return {f["suite_id"] for f in answer["fates"]} >= set(suites)
+
+        await eventually(known, timeout_s=60, what="the collector to know both suites", diagnostics=p.diagnostics)
+        app = application(p.stack.otlp_url, service)
+
+        async def settled(trace_id: str) -> bool:
+            """Each suite has decided the trace: judged, or skipped over its budget."""
+            _, answer = await api(p, "GET", f"/v1/online/observations/{trace_id}")
+            done = {f["suite_id"] for f in answer["fates"] if f["fate"] == "judged" or f["reason"] == "over_budget"}
+            return done >= set(suites)
+
+        traces: list[str] = []
+        for i in range(6):  # one at a time, so the budget is met exactly (no call in flight races the check)
+            trace_id = await asyncio.to_thread(serve_request, app, f"q{i}", f"Thank you {i}")
+            await eventually(
+                lambda t=trace_id: settled(t), timeout_s=60, what=f"trace {i} settled", diagnostics=p.diagnostics
+            )
+            traces.append(trace_id)
+        app.shutdown()
+        await p.quiescent(timeout_s=60)
+
+        fates: dict[str, dict[str, list[tuple[str, str]]]] = {s: {} for s in suites}
+        for trace_id in traces:
+            _, answer = await api(p, "GET", f"/v1/online/observations/{trace_id}")
+            for f in answer["fates"]:
+                if f["suite_id"] in suites:
+                    fates[f["suite_id"]].setdefault(trace_id, []).append((f["fate"], f["reason"]))
+        for suite_id in suites:
+            mine = [t for t in traces if ("sampled", "sampled") in fates[suite_id].get(t, [])]
+            assert mine == traces, fates[suite_id]
+            over = [t for t in mine if ("skipped", "over_budget") in fates[suite_id][t]]
+            assert over == mine[3:], fates[suite_id]  # the first three spend the budget, the rest are over it
+            runs = {
+                r["case_id"]: json.loads(r["scores"])
+                for r in await p.pool.fetch(
+                    "SELECT case_id, scores::text AS scores FROM runs WHERE batch_id = $1", f"online-{suite_id}"
+                )
+            }
+            measured = [
+                t
+                for t, scores in runs.items()
+                if any(s["metric"] == "judge:quality" and s["status"] == "measured" for s in scores)
+            ]
+            assert sorted(measured) == sorted(mine[:3])
+            for t in mine[:3]:
+                [quality] = [s for s in runs[t] if s["metric"] == "judge:quality"]
+                assert quality["usage"] == {
+                    "model": "gpt-4o-mini",
+                    "input_tokens": 10,
+                    "output_tokens": 5,
+                    "cost_usd": 0.0015,
+                    "cost_source": "price",
+                }
+            if suite_id.startswith("mixed-"):  # the rule judge ran on every one, over budget too
+                assert set(runs) == set(mine)
+                for t in over:
+                    by_metric = {s["metric"]: s for s in runs[t]}
+                    assert by_metric["judge:polite"]["pass"] is True
+                    assert (by_metric["judge:quality"]["status"], by_metric["judge:quality"]["reason"]) == (
+                        "unmeasured",
+                        "policy_skip",
+                    )
+                    assert fates[suite_id][t].count(("judged", "judged")) == 1
+            else:  # nothing else to run: not judged at all
+                assert set(runs) == set(mine[:3])
+                for t in over:
+                    assert ("judged", "judged") not in fates[suite_id][t]
+            status, body = await api(p, "GET", f"/v1/online/stats?suite={suite_id}")
+            assert status == 200
+            counts = {(c["fate"], c["reason"]): c["count"] for c in body["counts"]}
+            assert counts[("skipped", "over_budget")] == len(over)
+        assert len(provider.requests) == 6  # three per suite, none over a budget
+
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(p.stack.procs["judge"].url + "/metrics") as resp,
+        ):
+            metrics = await resp.text()
+        for suite_id in suites:
+            over_n = sum(("skipped", "over_budget") in v for v in fates[suite_id].values())
+            line = (
+                f'evalbus_online_fates_total{{fate="skipped",reason="over_budget",suite="{suite_id}"}} {float(over_n)}'
+            )
+            assert line in metrics, [m for m in metrics.splitlines() if suite_id in m]
+    finally:
+        await provider.stop()

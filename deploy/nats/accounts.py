@@ -145,7 +145,15 @@ SERVICES: tuple[ServiceUser, ...] = (
     ServiceUser(
         name="judge",
         consumers=(("CASES", "judge-cases"),),
-        publishes=(Grant("case.judged.>", "judged cases (CaseJudged)"),),
+        publishes=(
+            Grant("case.judged.>", "judged cases (CaseJudged)"),
+            Grant("online.fate.>", "observations over their suite's daily budget (ObservationFate)"),
+        ),
+        direct_gets=("KV_ONLINE_SPEND",),
+        publish_extra=(
+            Grant("$KV.ONLINE_SPEND.>", "online suites' daily model-judge spend, counted across replicas (budget.py)"),
+        ),
+        own_streams=("KV_ONLINE_SPEND",),
     ),
     ServiceUser(
         name="exporter",

@@ -28,6 +28,7 @@ from evalbus_contracts import (
     CaseSpec,
     Infra,
     Invalid,
+    JudgeUsage,
     LlmCall,
     Measured,
     Message,
@@ -57,6 +58,8 @@ pytestmark = pytest.mark.integration
 API_KEY = "sk-test-4f1c9e0b7d2a6c3e8b5f"
 """The key the server requires; the judge resolves it by the secret name `judge-key`."""
 SECRETS = SecretStore(environ={"EVALBUS_SECRET_JUDGE_KEY": API_KEY})
+SERVER_USAGE = JudgeUsage(model="judge-test-model", input_tokens=10, output_tokens=5)
+"""What every 200 of the server reports; no price, no reported cost: the cost is unmeasured."""
 
 
 # ---------------------------------------------------------------- the server
@@ -124,7 +127,13 @@ async def test_request_shape_auth_and_measured_score(server: ChatCompletionsServ
     server.push(verdict_reply(0.9, True, "names Paris"))
     score = await run(chat, spec(f"{server.root}/v1"))
     assert score == Measured(
-        grader_id="quality", metric="judge:quality", source="judge", value=0.9, passed=True, detail="names Paris"
+        grader_id="quality",
+        metric="judge:quality",
+        source="judge",
+        value=0.9,
+        passed=True,
+        detail="names Paris",
+        usage=SERVER_USAGE,
     )
     assert server.protocol_errors == []
     (req,) = server.requests
@@ -312,7 +321,13 @@ async def test_timeout_then_success(server: ChatCompletionsServer, chat: ChatCli
     score = await run(chat, spec(f"{server.root}/v1", timeout_s=0.3, max_retries=1))
     # The first request never got an answer, so this verdict is the retry's.
     assert score == Measured(
-        grader_id="quality", metric="judge:quality", source="judge", value=0.9, passed=True, detail="names Paris"
+        grader_id="quality",
+        metric="judge:quality",
+        source="judge",
+        value=0.9,
+        passed=True,
+        detail="names Paris",
+        usage=SERVER_USAGE,
     )
     first, second = server.requests
     assert second.body == first.body  # the same request, sent again

@@ -17,6 +17,11 @@ Pure of the bus: the chassis decodes the message, calls `judge_event`, publishes
   past its own retries) does not make it judged-with-an-error. `observation_retry_delay` says
   when to judge it again (the service naks it with that delay: JetStream holds it meanwhile); only
   on its last delivery is the error recorded as its result.
+- An observation of a suite with a daily budget (`budget_usd_per_day`) has its model judges called
+  only while the suite's spend today is under it (`budget.py`); past it they are not called, its
+  fate is `skipped: over_budget`, and its other judges still run (their case is judged, the model
+  judges' scores `unmeasured: policy_skip`). A suite of model judges only is then not judged at all.
+  What the calls cost is added to the day's spend. A batch's cases have no budget.
 """
 
 from __future__ import annotations
@@ -38,9 +43,11 @@ from evalbus_contracts import (
     CaseSpec,
     Invalid,
     Measured,
+    ObservationFate,
     Score,
     Unmeasured,
 )
+from evalbus_judge.budget import MICRO, Spend
 from evalbus_judge.context import JudgeContext, first_user_message, judge_metric, unmeasured
 from evalbus_judge.errors import JudgeMachineryError
 from evalbus_judge.registry import JudgeRegistry, ResolvedJudge
@@ -59,6 +66,19 @@ JudgedStatus = Literal["judged", "skipped"]
 """Status of a `case.judged` event."""
 ReadyEvent = CaseExecuted | CaseCollected | CaseObserved
 """The events the judge stage consumes."""
+BUDGETED_KINDS = frozenset({"model"})
+"""Judge kinds that spend money per call, held to an online suite's daily budget."""
+
+
+@dataclass(frozen=True, slots=True)
+class JudgeOutcome:
+    """What judging one ready event yields."""
+
+    judged: CaseJudged | None
+    """The `case.judged` event (None: the collector will complete the case, or an observation
+    none of whose judges could run within its suite's budget)."""
+    fates: tuple[ObservationFate, ...] = ()
+    """Observation fates decided here (`skipped: over_budget`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,28 +158,101 @@ async def judge_event(
     judge_timeout_s: float | None = DEFAULT_JUDGE_TIMEOUT_S,
 ) -> CaseJudged | None:
     """The `case.judged` event for a ready case, or None for a `case.executed` the collector will
-    complete (ignore and ack it). Raises only `ValueError` for an event without its ids (poison)."""
+    complete (ignore and ack it). Raises only `ValueError` for an event without its ids (poison).
+    No budget is applied (see `judge_ready`)."""
+    return (await judge_ready(event, registry, judge_timeout_s=judge_timeout_s)).judged
+
+
+async def judge_ready(
+    event: ReadyEvent,
+    registry: JudgeRegistry,
+    *,
+    spend: Spend | None = None,
+    judge_timeout_s: float | None = DEFAULT_JUDGE_TIMEOUT_S,
+) -> JudgeOutcome:
+    """Judge a ready event, holding an observation's model judges to its suite's daily budget
+    (read and counted in `spend`; None: no budget is applied). Raises `ValueError` for an event
+    without its ids (poison) and `BudgetUnavailableError` when the spend cannot be read (retry)."""
     ready = _ready_case(event)
     if ready is None:
-        return None
+        return JudgeOutcome(None)
     if not ready.judgeable:
-        return _judged(ready, "skipped", ready.result, None)
+        return JudgeOutcome(_judged(ready, "skipped", ready.result, None))
     case_input = ready.case.input if ready.case is not None and ready.case.input else None
     expected = ready.case.expected if ready.case is not None else None
     scores: list[Score] = []
+    fates: tuple[ObservationFate, ...] = ()
     judge_error: str | None = None
     try:
         resolved = registry.resolve(ready.plan.judges, batch_id=ready.batch_id)
-        ctx = JudgeContext.of(ready.result, case_input=case_input, expected=expected)
-        for entry in resolved.judges:
-            scores.append(await run_judge(entry, ctx, timeout_s=judge_timeout_s))
+    except Exception as e:
+        log.exception("judge machinery failed on run %s", ready.run_id)
+        resolved, judge_error = None, f"{type(e).__name__}: {e}"
+    over: str | None = None
+    if resolved is not None and spend is not None and isinstance(event, CaseObserved):
+        over = await _over_budget(event, resolved.judges, spend)
+    if resolved is not None and over is not None:
+        budgeted = [j.judge_id for j in resolved.judges if _budgeted(j)]
+        others = len(resolved.judges) > len(budgeted)
+        detail = f"{over}; model judges not called: {', '.join(budgeted)}" + ("; the others ran" if others else "")
+        assert isinstance(event, CaseObserved)
+        fates = (_over_budget_fate(event, detail),)
+        if not others:
+            return JudgeOutcome(None, fates)
+    try:
+        if resolved is not None:
+            ctx = JudgeContext.of(ready.result, case_input=case_input, expected=expected)
+            for entry in resolved.judges:
+                if over is not None and _budgeted(entry):
+                    scores.append(unmeasured(entry.judge_id, "policy_skip", f"not called: {over}"))
+                    continue
+                scores.append(await run_judge(entry, ctx, timeout_s=judge_timeout_s))
     except Exception as e:
         # Not a judge's own failure: the machinery is broken, so the scores so far are kept and
         # the rest of the judges are not run; `judge_error` marks the batch `error.phase = judges`.
         log.exception("judge machinery failed on run %s", ready.run_id)
         judge_error = f"{type(e).__name__}: {e}"
+    if spend is not None and isinstance(event, CaseObserved) and event.budget_usd_per_day is not None:
+        await _count_spend(spend, event.suite_id, scores)
     result = msgspec.structs.replace(ready.result, scores=(*ready.result.scores, *scores))
-    return _judged(ready, "judged", result, judge_error)
+    return JudgeOutcome(_judged(ready, "judged", result, judge_error), fates)
+
+
+def _budgeted(entry: ResolvedJudge) -> bool:
+    return entry.kind in BUDGETED_KINDS and entry.resolved
+
+
+async def _over_budget(event: CaseObserved, judges: tuple[ResolvedJudge, ...], spend: Spend) -> str | None:
+    """Why the observation's model judges may not be called today, or None while the budget has room."""
+    budget = event.budget_usd_per_day
+    if budget is None or not any(_budgeted(j) for j in judges):
+        return None
+    spent = await spend.spent(event.suite_id)
+    if round(spent * MICRO) < round(budget * MICRO):  # compared in whole micro-dollars, as counted
+        return None
+    return f"the suite's daily budget is spent (${spent:.6g} of ${budget:.6g} today, UTC)"
+
+
+def _over_budget_fate(event: CaseObserved, detail: str) -> ObservationFate:
+    return ObservationFate(
+        observation_id=event.observation_id,
+        suite_id=event.suite_id,
+        fate="skipped",
+        reason="over_budget",
+        detail=detail,
+    )
+
+
+async def _count_spend(spend: Spend, suite_id: str, scores: list[Score]) -> None:
+    """Add what the scores' model calls cost to the suite's day; a failure is logged, not raised
+    (the calls are made: judging them again would spend twice)."""
+    cost = sum(s.usage.cost_usd for s in scores if s.usage is not None and s.usage.cost_usd is not None)
+    if cost <= 0:
+        return
+    try:
+        await spend.add(suite_id, cost)
+    except Exception as e:
+        log.warning("could not count %.6f USD against suite %s's budget: %s", cost, suite_id, e)
 
 
 async def run_judge(entry: ResolvedJudge, ctx: JudgeContext, *, timeout_s: float | None) -> Score:

@@ -19,10 +19,12 @@ from evalbus_contracts import (
     EnvAction,
     Error,
     Infra,
+    JudgeUsage,
     LlmCall,
     Log,
     Message,
     ModelJudge,
+    ModelPrice,
     Score,
     Span,
     ToolCall,
@@ -165,6 +167,41 @@ def read_verdict(body: Any) -> ModelVerdict | str:
     )
 
 
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def read_usage(body: Any, *, model: str, price: ModelPrice | None) -> JudgeUsage:
+    """The usage of one billed call from its response's `usage` object (`prompt_tokens`,
+    `completion_tokens`, and `cost` where the provider reports one). The cost comes from `price`
+    when the spec gives one and both token counts are known, else from the provider's `cost`, else
+    it is unmeasured (None, never 0)."""
+    usage = body.get("usage") if isinstance(body, dict) else None
+    usage = usage if isinstance(usage, dict) else {}
+    input_tokens = _count(usage.get("prompt_tokens"))
+    output_tokens = _count(usage.get("completion_tokens"))
+    if price is not None and input_tokens is not None and output_tokens is not None:
+        cost = (input_tokens * price.input_per_mtok + output_tokens * price.output_per_mtok) / 1_000_000
+        return JudgeUsage(
+            model=model, input_tokens=input_tokens, output_tokens=output_tokens, cost_usd=cost, cost_source="price"
+        )
+    reported = usage.get("cost")
+    if (
+        isinstance(reported, int | float)
+        and not isinstance(reported, bool)
+        and math.isfinite(reported)
+        and reported >= 0
+    ):
+        return JudgeUsage(
+            model=model,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            cost_usd=float(reported),
+            cost_source="provider",
+        )
+    return JudgeUsage(model=model, input_tokens=input_tokens, output_tokens=output_tokens)
+
+
 class ChatModelJudge:
     """A `model` judge bound to its endpoint, API-key secret name and the process's chat client."""
 
@@ -200,12 +237,14 @@ class ChatModelJudge:
         )
         if isinstance(outcome, ChatFailure):
             return _failure_score(judge_id, outcome)
+        # a 2xx is billed whatever it says, so even a verdict that breaks the contract carries its usage
+        usage = read_usage(outcome.body, model=self.spec.model, price=self.spec.price)
         found = read_verdict(outcome.body)
         if isinstance(found, str):
-            return invalid(judge_id, redact(found, api_key))
+            return msgspec.structs.replace(invalid(judge_id, redact(found, api_key)), usage=usage)
         passed = found.passed if found.passed is not None else found.score >= self.spec.pass_threshold
         detail = redact(found.reasoning, api_key) if found.reasoning else None
-        return measured(judge_id, found.score, passed=passed, detail=detail)
+        return msgspec.structs.replace(measured(judge_id, found.score, passed=passed, detail=detail), usage=usage)
 
 
 def _failure_score(judge_id: str, failure: ChatFailure) -> Score:

@@ -1,5 +1,5 @@
 """Wiring of the judge service: the `judge-cases` consumer (global limit = its `max_ack_pending`)
-feeding ready cases to `judge_event`, and the shared HTTP client's lifecycle."""
+feeding ready cases to `judge_ready`, the shared HTTP client's and the spend ledger's lifecycle."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import importlib
 from collections.abc import Sequence
 
 import msgspec
+from prometheus_client import Counter
 
 from evalbus_contracts import CaseCollected, CaseExecuted, CaseObserved
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import JUDGE_CASES
-from evalbus_judge.apply import ReadyEvent, judge_event, observation_retry_delay
+from evalbus_judge.apply import ReadyEvent, judge_ready, observation_retry_delay
+from evalbus_judge.budget import BudgetUnavailableError, SpendLedger
 from evalbus_judge.chat import ChatClient
 from evalbus_judge.registry import JudgeRegistry, ModelDefaults
 from evalbus_runtime import Delivery, Poison, Retry, Service, ServiceSettings, Stage
@@ -58,9 +60,18 @@ def build_judge(service: Service, settings: JudgeSettings, registry: JudgeRegist
     )
 
     load_plugins(reg, settings.plugins)
+    spend = SpendLedger()
+    fates = Counter(
+        "evalbus_online_fates_total",
+        "Observation fates decided by this replica (the judge decides `skipped: over_budget`), by suite, fate "
+        "and reason (GET /v1/online/stats has the exact counts)",
+        ["suite", "fate", "reason"],
+        registry=service.metrics.registry,
+    )
 
-    async def start(_: Service) -> None:
+    async def start(svc: Service) -> None:
         await chat.start()
+        await spend.start(svc.js)
 
     async def stop(_: Service) -> None:
         await chat.close()
@@ -69,15 +80,20 @@ def build_judge(service: Service, settings: JudgeSettings, registry: JudgeRegist
 
     async def handle(event: ReadyEvent, delivery: Delivery) -> Sequence[EventBase]:
         try:
-            judged = await judge_event(event, reg)
+            outcome = await judge_ready(event, reg, spend=spend)
         except ValueError as e:
             raise Poison(str(e)) from e
+        except BudgetUnavailableError as e:
+            raise Retry(f"the suite's spend could not be read: {e}") from e
+        judged = outcome.judged
+        for fate in outcome.fates:
+            fates.labels(fate.suite_id or "-", fate.fate, fate.reason).inc()
         delay = observation_retry_delay(
             event, judged, num_delivered=delivery.num_delivered, max_deliver=consumer.max_deliver
         )
         if delay is not None:
             raise Retry(f"a judge could not score the observation yet (retryable); again in {delay:g} s", delay)
-        return [] if judged is None else [judged]
+        return [*outcome.fates, *([] if judged is None else [judged])]
 
     service.on_start(start)
     service.on_stop(stop)

@@ -7,7 +7,8 @@ attribute filter, then the trace id must be a valid W3C id and fall inside the s
 sampled by the low 64 bits of the SHA-256 of its observation id, so the decision stays
 deterministic. With no suite defined the observation still gets a fate: skipped, `no_suite`.
 Every output has a deterministic dedup id (suite, observation), so a redelivered or duplicated
-observation never yields a second `case.observed` or a second score.
+observation never yields a second `case.observed` or a second score. A suite's daily budget rides
+on its `case.observed` to the judge, which alone knows what its model judges spend.
 """
 
 from __future__ import annotations
@@ -150,6 +151,7 @@ def decide(obs: ObservationReceived, suites: Iterable[OnlineSuiteSpec]) -> Decis
                 ),
                 plan=CasePlan(judges=suite.judges, suite_id=suite.id),
                 expected=obs.expected,
+                budget_usd_per_day=suite.budget_usd_per_day,
             )
         )
     return Decision(fates=tuple(fates), observed=tuple(observed))

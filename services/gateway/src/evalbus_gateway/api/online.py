@@ -291,8 +291,8 @@ ROUTES: tuple[Route, ...] = (
         "member",
         observation,
         description="Every fate of the observation with this trace id (or observation id), per suite, with its "
-        "reason: sampled, skipped (no_suite, not_target, filtered, not_sampled), dropped (invalid_trace_id, "
-        "too_large), late, dead_lettered, judged. `status: unknown` when evalbus never received it.",
+        "reason: sampled, skipped (no_suite, not_target, filtered, not_sampled, over_rate_cap, over_budget), dropped "
+        "(invalid_trace_id, too_large), late, dead_lettered, judged. `status: unknown` when evalbus never received it.",
         tag="online",
         params=(Param("trace_id", "path", "Trace id (32 hex) or observation id", {"type": "string"}, True),),
         responses={200: Body("Its fates", ObservationAnswer)},
