@@ -1,7 +1,10 @@
 """The web dashboard in real headless Chromium (Debian's `chromium`, driven by Playwright for Python
 through `executable_path`; Playwright's own browser download is never used): log in with a token,
 watch a batch's cases turn green live, open a running run and read its live log and trace, see it
-sealed, read the summary and the online page. Screenshots go to `.test-artifacts/dashboard/`.
+sealed, read the summary and the online page; watch a live browser case's screen and work in its
+sandbox through the terminal widget (xterm.js over the terminal WebSocket) until the sandbox is
+released; compare two batches and find the regression. Screenshots go to
+`.test-artifacts/dashboard/`.
 
 The services are real processes (`open_pipeline`). Chromium is installed with apt by
 `evalbus.testing.chromium.ensure_chromium` when it is missing and this runs as root; a run that
@@ -10,7 +13,9 @@ cannot get it fails — it never skips.
 
 from __future__ import annotations
 
+import base64
 import json
+import re
 import sys
 import uuid
 from collections.abc import AsyncIterator
@@ -18,9 +23,9 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from playwright.async_api import Browser, Page, async_playwright, expect
+from playwright.async_api import Browser, Locator, Page, async_playwright, expect
 
-from evalbus.testing.chromium import ensure_chromium
+from evalbus.testing.chromium import ensure_chromium, png_size_and_first_pixel
 from evalbus.testing.pipeline import Pipeline, eventually, open_pipeline, wait_path
 from evalbus_contracts import AnswerMatchGrader, BatchSpec, CaseSpec, CommandHarness, SuiteSpec
 
@@ -28,6 +33,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 LIVE_AGENT = ROOT / "tests" / "harnesses" / "live_agent.py"
+BROWSER_AGENT = ROOT / "tests" / "harnesses" / "browser_agent.py"
 ARTIFACTS = ROOT / ".test-artifacts" / "dashboard"
 CHROMIUM_FLAGS = [
     "--no-sandbox",
@@ -121,6 +127,10 @@ async def test_a_batch_and_a_running_run_watched_live_in_the_browser(
     await expect(page.get_by_test_id("log")).to_contain_text("held: searching the archive", timeout=30_000)
     await expect(page.locator('[data-testid="trace"] li[data-kind="tool_call"]')).to_have_count(2, timeout=30_000)
     await expect(page.get_by_test_id("trace-state")).to_have_text("Live trace")
+    await expect(page.get_by_test_id("screen-state")).to_have_text(
+        "No screen for this run: the harness declared no browser (EVALBUS_CDP)."
+    )
+    await expect(page.get_by_test_id("open-shell")).to_be_visible()
     await shot(page, "03-run-live")
 
     (gates / "go").touch()
@@ -128,6 +138,8 @@ async def test_a_batch_and_a_running_run_watched_live_in_the_browser(
     await expect(page.get_by_test_id("log").locator("span.stderr")).to_contain_text("held: a warning")
     await expect(page.get_by_test_id("trace-state")).to_contain_text("Sealed trajectory", timeout=60_000)
     await expect(page.get_by_test_id("run-facts")).to_contain_text("pass")
+    await expect(page.get_by_test_id("open-shell")).to_be_hidden()
+    await expect(page.get_by_test_id("terminal-state")).to_have_attribute("data-state", "settled")
     await shot(page, "04-run-sealed")
 
     await page.goto(f"{p.stack.gateway_url}/#/batch/{batch_id}")
@@ -259,4 +271,151 @@ async def test_an_online_suite_page_shows_its_scores_fates_and_chart(pipeline: P
     await expect(page.get_by_test_id("online-fates")).to_contain_text("judged")
     await expect(page.get_by_test_id("online-recent").locator("tbody tr")).to_have_count(min(n, 20))
     await shot(page, "07-online-suite")
+    await page.close()
+
+
+def terminal_rows(page: Page, pattern: str) -> Locator:
+    """The rows of the terminal widget (xterm.js's DOM renderer, one element per row) whose whole
+    text matches `pattern`."""
+    return page.locator('[data-testid="terminal"] .xterm-rows > div').filter(has_text=re.compile(rf"^\s*{pattern}\s*$"))
+
+
+async def test_a_live_runs_screen_and_terminal_in_the_browser(
+    pipeline: Pipeline, browser: Browser, tmp_path: Path
+) -> None:
+    p = pipeline
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    task = {
+        "chromium": ensure_chromium(),
+        "profile": str(tmp_path / "profile"),
+        "pages": [{"name": "work", "url": "data:text/html,<style>body{margin:0;background:rgb(255,0,0)}</style>work"}],
+        "front": "work",
+        "ready": str(ready),
+        "go": str(go),
+    }
+    spec = BatchSpec(
+        suite=SuiteSpec(id=f"dash-live-{uuid.uuid4().hex[:6]}", cases=(CaseSpec(id="browse", input=json.dumps(task)),)),
+        harness=CommandHarness(id="browser-agent", command=(sys.executable, str(BROWSER_AGENT)), timeout_s=120),
+    )
+    batch_id = await p.submit(spec)
+    run_id = f"evb-{batch_id}-browse"
+    await wait_path(ready, timeout_s=60)
+    page = await logged_in(browser, p)
+    await page.goto(f"{p.stack.gateway_url}/#/run/{run_id}")
+
+    # The screen: a frame of the harness's own browser, its work tab (red), decoded by the page.
+    await expect(page.get_by_test_id("screen-state")).to_have_attribute("data-state", "live", timeout=30_000)
+    frame = page.get_by_test_id("screen")
+    await expect(frame).to_be_visible()
+    assert await frame.evaluate("img => img.complete && img.naturalWidth") == 800
+    src = await frame.get_attribute("src")
+    assert src is not None
+    assert src.startswith("data:image/png;base64,")
+    assert png_size_and_first_pixel(base64.b64decode(src.split(",", 1)[1]))[2] == (255, 0, 0)
+
+    # The terminal: a persistent shell in the sandbox — the directory changed by one command is the
+    # one the next command runs in.
+    await page.get_by_test_id("open-shell").click()
+    await expect(page.get_by_test_id("terminal-state")).to_have_attribute("data-state", "attached", timeout=30_000)
+    await page.get_by_test_id("terminal").click()
+    await page.keyboard.type("cd /tmp\n")
+    await page.keyboard.type("pwd\n")
+    await expect(terminal_rows(page, "/tmp")).to_have_count(1, timeout=20_000)
+    # A narrower window refits the widget, and the resize reaches the shell's pseudo-terminal.
+    widget = page.get_by_test_id("terminal")
+    wide = await widget.get_attribute("data-cols")
+    await page.set_viewport_size({"width": 900, "height": 900})
+    await expect(widget).not_to_have_attribute("data-cols", wide or "")
+    await page.keyboard.type("stty size\n")
+    size = f"{await widget.get_attribute('data-rows')} {await widget.get_attribute('data-cols')}"
+    await expect(terminal_rows(page, size)).to_have_count(1, timeout=20_000)
+    await shot(page, "08-run-screen-terminal")
+
+    # The run finishes: its sandbox is released, the shell ends with it, and the widget says so.
+    go.touch()
+    await expect(page.get_by_test_id("terminal-state")).to_have_attribute("data-state", "closed", timeout=60_000)
+    await expect(page.get_by_test_id("terminal-state")).to_contain_text("the run's sandbox was released")
+    await expect(page.get_by_test_id("screen-state")).to_have_attribute("data-state", "ended", timeout=60_000)
+    await expect(page.get_by_test_id("open-shell")).to_be_hidden()
+    await expect(page.get_by_test_id("terminal-state")).to_contain_text("the run's sandbox was released")
+    await shot(page, "09-run-terminal-released")
+    await page.close()
+
+
+ADDER = """\
+import json, os, sys
+task = json.loads(sys.stdin.read())
+answer = task["a"] + 1
+if os.environ.get("ADDER_BUG") == "1" and task["a"] >= 2:
+    answer += 1  # the regression: off by one from 2 on
+print("EVALBUS_RESULT " + json.dumps({"answer": str(answer)}), flush=True)
+"""
+
+
+def adder_batch(suite_id: str, *, bug: bool) -> BatchSpec:
+    """Eight sums; with the bug, six of them are wrong (an exact McNemar p of 2/64 on verdicts)."""
+    cases = tuple(
+        CaseSpec(
+            id=f"add-{a}",
+            input=json.dumps({"a": a}),
+            expected=str(a + 1),
+            graders=(AnswerMatchGrader(id="answer"),),
+        )
+        for a in range(8)
+    )
+    harness = CommandHarness(
+        id="adder", command=(sys.executable, "-c", ADDER), env={"ADDER_BUG": "1" if bug else "0"}, timeout_s=60
+    )
+    return BatchSpec(suite=SuiteSpec(id=suite_id, cases=cases), harness=harness)
+
+
+async def test_the_compare_page_shows_a_regression_against_the_baseline(pipeline: Pipeline, browser: Browser) -> None:
+    p = pipeline
+    suite_id = f"dash-adder-{uuid.uuid4().hex[:6]}"
+    good = await p.submit(adder_batch(suite_id, bug=False))
+    await p.finalized(good)
+    buggy = await p.submit(adder_batch(suite_id, bug=True))
+    await p.finalized(buggy)
+
+    page = await logged_in(browser, p)
+    # The good batch becomes its suite's baseline from its page.
+    await page.goto(f"{p.stack.gateway_url}/#/batch/{good}")
+    await expect(page.get_by_test_id("baseline")).to_contain_text("the suite has no baseline")
+    await page.get_by_test_id("make-baseline").click()
+    await expect(page.get_by_test_id("baseline")).to_contain_text(f"of suite {suite_id}, set by admin")
+
+    # The buggy batch's page links to its comparison with that baseline.
+    await page.goto(f"{p.stack.gateway_url}/#/batch/{buggy}")
+    await page.get_by_test_id("compare-link").click()
+    verdict = page.get_by_test_id("compare-verdict")
+    await expect(verdict).to_have_attribute("data-regressed", "verdicts,answer_match")
+    await expect(page.locator(".sub").first).to_contain_text(f"against its suite's baseline {good}")
+    row = page.locator('[data-testid="compare-metrics"] tr[data-metric="verdicts"]')
+    await expect(row).to_have_attribute("data-change", "regressed")
+    # base 100 %, candidate 25 %: −75 points, exact McNemar on 6 discordant pairs (p = 2/64)
+    await expect(row).to_contain_text("100.0%25.0%−75.0 pp")
+    await expect(row).to_contain_text("mcnemar0.031")
+    await expect(
+        page.locator('svg[aria-label="rate deltas with 95% intervals"] line[data-metric="verdicts"]')
+    ).to_have_count(1)
+    regressed = page.get_by_test_id("cases-regressed").locator("tbody tr")
+    await expect(regressed).to_have_count(6)
+    add2 = page.get_by_test_id("cases-regressed").locator('tr[data-case="add-2"] td')
+    await expect(add2.nth(1)).to_contain_text("pass 3")  # the base's verdict and answer
+    await expect(add2.nth(2)).to_contain_text("fail 4")  # the candidate's
+    await expect(page.get_by_test_id("flaky")).to_contain_text("Each case ran once")
+    await shot(page, "10-compare")
+
+    # Each regressed case leads to both trajectories side by side.
+    await page.get_by_test_id("cases-regressed").locator('tr[data-case="add-2"] [data-testid="side-by-side"]').click()
+    await expect(page.get_by_test_id("pair-base")).to_contain_text(f"evb-{good}-add-2")
+    await expect(page.get_by_test_id("pair-base")).to_contain_text("answer3")
+    await expect(page.get_by_test_id("pair-candidate")).to_contain_text(f"evb-{buggy}-add-2")
+    await expect(page.get_by_test_id("pair-candidate")).to_contain_text("answer4")
+    await expect(page.get_by_test_id("pair-candidate").locator('[data-badge="fail"]')).to_be_visible()
+    await shot(page, "11-compare-side-by-side")
+
+    # Against a base nobody can see, the page says why instead of comparing.
+    await page.goto(f"{p.stack.gateway_url}/#/compare?candidate={buggy}&base=nope-{uuid.uuid4().hex[:6]}")
+    await expect(page.get_by_test_id("compare-error")).to_contain_text("no batch")
     await page.close()

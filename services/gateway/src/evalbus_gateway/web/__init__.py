@@ -4,12 +4,19 @@ the login that exchanges a token for the session cookie.
 The page is a projection like every other view: it reads the same `/v1` API (the session cookie
 authenticates it) and follows the same event streams (`EventSource` on the batch and run streams),
 so every gateway replica serves the same dashboard. Pages (hash routes): batches, a batch, a run
-(live log, live trace, sealed trajectory), online suites, an online suite.
+(live log, live trace, sealed trajectory, its screen, a terminal in its sandbox), two batches
+compared, two runs side by side, online suites, an online suite.
+
+The terminal is rendered by xterm.js, vendored unmodified under `assets/vendor/xterm/` (its README
+says which version and how to refresh it). Its DOM renderer writes `<style>` elements, so the
+page's Content-Security-Policy admits `<style>` elements that carry the nonce minted for that
+response (and no other inline style); the page's script stamps the nonce on the ones it creates.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from importlib import resources
 
 import msgspec
@@ -24,10 +31,15 @@ from evalbus_gateway.api.validation import read_json
 log = logging.getLogger("evalbus.gateway.web")
 
 ASSETS = {
-    "app.js": "text/javascript",
-    "app.css": "text/css",
+    "app.js": ("app.js", "text/javascript"),
+    "app.css": ("app.css", "text/css"),
+    "xterm.js": ("vendor/xterm/xterm.js", "text/javascript"),
+    "xterm.css": ("vendor/xterm/xterm.css", "text/css"),
+    "addon-fit.js": ("vendor/xterm/addon-fit.js", "text/javascript"),
 }
-"""The assets the page loads, by name, with their content type."""
+"""The assets the page loads, by name: their file under `assets/` and their content type."""
+NONCE_PLACEHOLDER = b"{{style-nonce}}"
+"""Where `index.html` takes the response's style nonce."""
 SESSION_MAX_AGE_S = 12 * 3600
 """How long a dashboard session lasts."""
 
@@ -38,28 +50,44 @@ class LoginRequest(msgspec.Struct, frozen=True, kw_only=True):
     token: str
 
 
-def _asset(name: str) -> bytes:
-    return (resources.files("evalbus_gateway.web") / "assets" / name).read_bytes()
+def _asset(path: str) -> bytes:
+    return (resources.files("evalbus_gateway.web") / "assets" / path).read_bytes()
+
+
+def csp(nonce: str) -> str:
+    """The page's policy: it loads nothing from elsewhere and runs no inline script; the only inline
+    style it admits is a `<style>` element carrying this response's `nonce`."""
+    return (
+        "default-src 'self'; img-src 'self' data:; "
+        f"style-src 'self' 'nonce-{nonce}'; style-src-attr 'none'; "
+        "script-src 'self'; connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"
+    )
 
 
 async def index(call: Call) -> web.StreamResponse:
-    """GET /: the dashboard page."""
+    """GET /: the dashboard page, with a fresh style nonce."""
+    nonce = secrets.token_urlsafe(18)
     return web.Response(
-        body=_asset("index.html"),
+        body=_asset("index.html").replace(NONCE_PLACEHOLDER, nonce.encode()),
         content_type="text/html",
         charset="utf-8",
-        headers={"Cache-Control": "no-cache", "Content-Security-Policy": _CSP, "X-Content-Type-Options": "nosniff"},
+        headers={
+            "Cache-Control": "no-store",
+            "Content-Security-Policy": csp(nonce),
+            "X-Content-Type-Options": "nosniff",
+        },
     )
 
 
 async def asset(call: Call) -> web.StreamResponse:
     """GET /ui/assets/{name}."""
     name = call.request.match_info.get("name", "")
-    content_type = ASSETS.get(name)
-    if content_type is None:
+    found = ASSETS.get(name)
+    if found is None:
         raise ApiError(404, "not_found", f"no asset {name!r}", "name")
+    path, content_type = found
     return web.Response(
-        body=_asset(name),
+        body=_asset(path),
         content_type=content_type,
         charset="utf-8",
         headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"},
@@ -94,9 +122,6 @@ async def logout(call: Call) -> web.StreamResponse:
     return response
 
 
-_CSP = "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; connect-src 'self'"
-"""The page loads nothing from elsewhere and runs no inline script."""
-
 ROUTES: tuple[Route, ...] = (
     Route(
         ("GET",),
@@ -116,7 +141,15 @@ ROUTES: tuple[Route, ...] = (
         "public",
         asset,
         tag="dashboard",
-        params=(Param("name", "path", "The asset's file name (`app.js`, `app.css`)", {"type": "string"}, True),),
+        params=(
+            Param(
+                "name",
+                "path",
+                "The asset's name (`app.js`, `app.css`; xterm.js's `xterm.js`, `xterm.css`, `addon-fit.js`)",
+                {"type": "string"},
+                True,
+            ),
+        ),
         responses={200: Body("The asset", content_type="text/plain", schema={"type": "string"})},
     ),
     Route(

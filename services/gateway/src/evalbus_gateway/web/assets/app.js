@@ -4,6 +4,20 @@
 
 const main = () => document.getElementById("main");
 const streams = new Set(); // EventSources of the current page, closed when the page changes
+const leaving = new Set(); // what else the current page holds (timers, a terminal), undone when it changes
+
+// The page's CSP admits inline style only in <style> elements carrying this response's nonce.
+// xterm.js's DOM renderer writes its theme and cell size into <style> elements it creates, so every
+// <style> the page creates gets the nonce — at creation, since one set after insertion is ignored.
+const STYLE_NONCE = document.currentScript?.nonce || "";
+if (STYLE_NONCE) {
+  const createElement = Document.prototype.createElement;
+  Document.prototype.createElement = function createElementWithNonce(tag, options) {
+    const node = createElement.call(this, tag, options);
+    if (String(tag).toLowerCase() === "style") node.setAttribute("nonce", STYLE_NONCE);
+    return node;
+  };
+}
 
 // ------------------------------------------------------------------ helpers
 
@@ -13,6 +27,7 @@ function el(tag, attrs, ...children) {
     if (value === null || value === undefined || value === false) continue;
     if (key === "class") node.className = value;
     else if (key === "text") node.textContent = value;
+    else if (key === "style") node.style.cssText = value; // through the CSSOM: the CSP refuses style attributes
     else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
     else node.setAttribute(key, value === true ? "" : String(value));
   }
@@ -87,6 +102,19 @@ function follow(path, handlers) {
 function closeStreams() {
   for (const source of streams) source.close();
   streams.clear();
+  for (const undo of leaving) {
+    try { undo(); } catch (_) { /* the page is going away anyway */ }
+  }
+  leaving.clear();
+}
+
+function pause(ms) {
+  // a wait the page can cut short: leaving the page resolves it at once
+  return new Promise((resolve) => {
+    const done = () => { clearTimeout(timer); leaving.delete(done); resolve(); };
+    const timer = setTimeout(done, ms);
+    leaving.add(done);
+  });
 }
 
 function failed(error) {
@@ -213,7 +241,31 @@ async function batchView(batchId) {
     head.replaceChildren(
       el("h1", {}, `Batch ${view.batch_id} `, badge(view.status)),
       el("p", { class: "sub" }, `suite ${view.suite_id || "–"} · ${view.total_runs ?? "?"} runs · by ${view.submitted_by || "–"} · submitted ${when(view.created_at)}`),
-      progress(view.counts, view.total_runs), ...(cancel ? [cancel] : []));
+      progress(view.counts, view.total_runs), ...(cancel ? [cancel] : []),
+      view.finalized_at ? decide(view) : null);
+  }
+
+  function decide(view) {
+    // what to compare it with: its suite's baseline (which it may become) or any other batch
+    const link = el("a", { href: `#/compare?candidate=${id}`, "data-testid": "compare-link" }, "Compare with another batch or the suite's baseline");
+    const baseline = el("span", { class: "sub", "data-testid": "baseline" });
+    const line = el("div", { class: "actions" }, link, baseline);
+    if (!view.suite_id) return line;
+    const suite = encodeURIComponent(view.suite_id);
+    const render = (current) => {
+      if (current?.batch_id === view.batch_id) {
+        return baseline.replaceChildren(badge("baseline"), ` of suite ${view.suite_id}, set by ${current.set_by} ${when(current.set_at)}`);
+      }
+      const make = view.status === "succeeded" ? el("button", {
+        "data-testid": "make-baseline",
+        onclick: async () => {
+          try { render(await api(`/v1/suites/${suite}/baseline`, { method: "PUT", json: { batch_id: view.batch_id } })); } catch (error) { baseline.replaceChildren(el("span", { class: "error" }, error.message)); }
+        },
+      }, "Make it the suite's baseline") : null;
+      baseline.replaceChildren(current ? `the suite's baseline is ${current.batch_id} ` : "the suite has no baseline ", make || "");
+    };
+    api(`/v1/suites/${suite}/baseline`).then(render, (error) => render(error.status === 404 ? null : undefined));
+    return line;
   }
 
   function renderRow(run) {
@@ -397,6 +449,193 @@ function sealedTrace(trajectory) {
   return best;
 }
 
+// ------------------------------------------------------------------ a run's screen and terminal
+
+const SCREEN_EVERY_MS = 2000;
+
+function screenWidget(runId, live) {
+  // a frame of the browser the run's harness drives, taken again every 2 s while the run is live
+  const id = encodeURIComponent(runId);
+  const state = el("p", { class: "sub", "data-testid": "screen-state", "data-state": "loading" }, "Looking for a screen…");
+  const image = el("img", { class: "screen", "data-testid": "screen", alt: `the screen of ${runId}`, hidden: true });
+  const node = el("div", {}, state, image);
+  let active = true, shown = false, why = "";
+  const stop = () => { active = false; };
+  leaving.add(stop);
+
+  function note(kind, text) {
+    state.dataset.state = kind;
+    state.textContent = text;
+  }
+
+  async function capture() {
+    let shot;
+    try {
+      shot = await api(`/v1/runs/${id}/screen`);
+    } catch (error) {
+      if (error instanceof Unauthorized) throw error;
+      if (error.status === 403) { stop(); return note("forbidden", "Only the run's creator or an admin can see its screen."); }
+      return note("error", `The screen could not be read: ${error.message}`);
+    }
+    if (!active) return;
+    if (shot.supported && shot.found && shot.data_url) {
+      if (image.getAttribute("src") !== shot.data_url) image.src = shot.data_url;
+      image.hidden = false;
+      shown = true;
+      return note("live", `Live screen${shot.target ? ` of ${shot.target}` : ""} · taken ${new Date().toLocaleTimeString()}`);
+    }
+    why = shot.reason || "nothing to capture";
+    if (shown) return note("ended", `The last frame taken (now: ${why}).`);
+    return note("none", `No screen for this run: ${why}.`);
+  }
+
+  (async () => {
+    do {
+      await capture().catch(() => stop());
+      if (!live()) break;
+      await pause(SCREEN_EVERY_MS);
+    } while (active && live());
+    if (!active) return;
+    if (shown) note("ended", "The run has settled: this is the last frame taken.");
+    else if (state.dataset.state === "loading") note("none", "No screen for this run.");
+  })();
+  return node;
+}
+
+let xtermLoading = null;
+function loadXterm() {
+  // xterm.js (vendored, see assets/vendor/xterm/README.md) is loaded when a shell is first opened
+  if (window.Terminal && window.FitAddon) return Promise.resolve();
+  if (xtermLoading) return xtermLoading;
+  const load = (tag, attrs) => new Promise((resolve, reject) => {
+    const node = el(tag, attrs);
+    node.addEventListener("load", resolve);
+    node.addEventListener("error", () => reject(new Error(`could not load ${attrs.src || attrs.href}`)));
+    document.head.append(node);
+  });
+  xtermLoading = Promise.all([
+    load("link", { rel: "stylesheet", href: "/ui/assets/xterm.css" }),
+    load("script", { src: "/ui/assets/xterm.js" }).then(() => load("script", { src: "/ui/assets/addon-fit.js" })),
+  ]).catch((error) => { xtermLoading = null; throw error; });
+  return xtermLoading;
+}
+
+const CLOSE_REASONS = {
+  1000: "the shell exited",
+  1001: "the gateway is stopping",
+  1006: "the connection was lost",
+  1011: "the dispatcher holding the run stopped answering",
+  4404: "no live sandbox holds the run",
+  4410: "the run's sandbox was released",
+};
+
+function terminalWidget(runId, live) {
+  // one persistent shell in the run's sandbox, opened only when the reader asks (never one per viewer)
+  const id = encodeURIComponent(runId);
+  const state = el("p", { class: "sub", "data-testid": "terminal-state", "data-state": "idle" });
+  const screen = el("div", { class: "terminal", "data-testid": "terminal", hidden: true });
+  const open = el("button", { "data-testid": "open-shell", onclick: () => start() }, "Open a shell");
+  const node = el("div", {}, el("div", { class: "actions" }, open, state), screen);
+  let session = null;
+
+  function note(kind, text) {
+    state.dataset.state = kind;
+    state.textContent = text;
+  }
+
+  function idle() {
+    if (live()) {
+      open.hidden = false;
+      note("idle", "A persistent shell in the run's sandbox (its workdir and environment), for the run's creator or an admin.");
+    } else {
+      open.hidden = true;
+      // a shell that ended keeps saying why; otherwise say why there is none to open
+      if (!session && state.dataset.state !== "closed") note("settled", "The run has settled: its sandbox is gone, so there is no shell to open.");
+    }
+  }
+
+  function end(text) {
+    if (!session) return;
+    const { term, socket, observer } = session;
+    session = null;
+    observer.disconnect();
+    term.options.disableStdin = true;
+    term.options.cursorBlink = false;
+    if (socket.readyState <= WebSocket.OPEN) socket.close(1000, "the reader closed the terminal");
+    note("closed", `Shell ended: ${text}.`);
+    open.textContent = "Open a new shell";
+    open.hidden = !live();
+  }
+
+  async function start() {
+    open.hidden = true;
+    note("connecting", "Opening a shell…");
+    try {
+      await loadXterm();
+    } catch (error) {
+      open.hidden = false;
+      return note("error", `The terminal could not load: ${error.message}`);
+    }
+    let ticket;
+    try {
+      ticket = await api(`/v1/runs/${id}/terminal-ticket`, { method: "POST", json: {} });
+    } catch (error) {
+      if (error instanceof Unauthorized) return failed(error);
+      open.hidden = !live();
+      if (error.status === 403) return note("forbidden", "Only the run's creator or an admin can open a shell in its sandbox.");
+      return note("error", `No shell: ${error.message}`);
+    }
+    screen.hidden = false;
+    screen.replaceChildren();
+    const term = new window.Terminal({
+      cursorBlink: true, fontSize: 13, scrollback: 2000, convertEol: false,
+      fontFamily: "ui-monospace, SFMono-Regular, Menlo, Consolas, monospace",
+      theme: { background: "#10141c", foreground: "#d9dee8" },
+    });
+    const fit = new window.FitAddon.FitAddon();
+    term.loadAddon(fit);
+    term.open(screen);
+    fit.fit();
+    const scheme = location.protocol === "https:" ? "wss:" : "ws:";
+    const socket = new WebSocket(`${scheme}//${location.host}${ticket.url}&cols=${term.cols}&rows=${term.rows}`);
+    socket.binaryType = "arraybuffer";
+    const early = []; // keystrokes typed before the socket opened (the gateway buffers them from there on)
+    const send = (frame) => {
+      const text = JSON.stringify(frame);
+      if (socket.readyState === WebSocket.OPEN) socket.send(text); else if (socket.readyState === WebSocket.CONNECTING) early.push(text);
+    };
+    const observer = new ResizeObserver(() => { if (session) fit.fit(); });
+    observer.observe(screen);
+    session = { term, socket, observer };
+    const mine = session;
+    term.onData((data) => send({ type: "input", data }));
+    const size = () => { screen.dataset.cols = term.cols; screen.dataset.rows = term.rows; };
+    size();
+    term.onResize(({ cols, rows }) => { size(); send({ type: "resize", cols, rows }); });
+    let closing = null;
+    socket.addEventListener("open", () => { for (const text of early.splice(0)) socket.send(text); });
+    socket.addEventListener("message", (message) => {
+      if (typeof message.data !== "string") return term.write(new Uint8Array(message.data));
+      let frame = {};
+      try { frame = JSON.parse(message.data); } catch (_) { return; }
+      if (frame.type === "attached") {
+        note("attached", `Connected: ${frame.shell || "a shell"} in the run's sandbox.`);
+        term.focus();
+      } else if (frame.type === "closed") {
+        closing = frame.exit_code !== null && frame.exit_code !== undefined ? `${frame.reason} (exit code ${frame.exit_code})` : frame.reason;
+      }
+    });
+    socket.addEventListener("close", (event) => {
+      if (session !== mine) return;
+      end(closing || event.reason || CLOSE_REASONS[event.code] || `the connection closed (${event.code})`);
+    });
+    leaving.add(() => { if (session === mine) end("the reader left the page"); term.dispose(); });
+  }
+
+  idle();
+  return { node, settled: () => { if (!session) idle(); else open.hidden = true; } };
+}
+
 async function runView(runId) {
   const id = encodeURIComponent(runId);
   const run = await api(`/v1/runs/${id}`).catch((error) => (error.status === 404 ? null : Promise.reject(error)));
@@ -406,6 +645,10 @@ async function runView(runId) {
   const trace = el("ol", { class: "timeline", "data-testid": "trace" });
   const traceNote = el("p", { class: "sub", "data-testid": "trace-state" }, "Live trace");
   const placement = el("div", { "data-testid": "placement" });
+  // live while its sandbox may hold it: not executed yet (the sandbox is released before that is recorded)
+  let settled = Boolean(run?.executed_at);
+  const live = () => !settled;
+  const shell = terminalWidget(runId, live);
 
   function renderFacts(view) {
     const rows = view ? [
@@ -424,12 +667,16 @@ async function runView(runId) {
     el("div", { class: "grid2" },
       el("section", {}, el("h2", {}, "Log"), log),
       el("section", {}, el("h2", {}, "Trace"), traceNote, trace)),
+    el("div", { class: "grid2" },
+      el("section", {}, el("h2", {}, "Screen"), screenWidget(runId, live)),
+      el("section", {}, el("h2", {}, "Terminal"), shell.node)),
     el("h2", {}, "Placement"), placement);
 
-  api(`/v1/runs/${id}/placement`).then((p) => {
+  const renderPlacement = () => api(`/v1/runs/${id}/placement`).then((p) => {
     placement.replaceChildren(el("dl", { class: "kv" },
       ...Object.entries(p).filter(([, v]) => typeof v !== "object").flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, String(v))])));
   }).catch(() => placement.replaceChildren(el("p", { class: "empty" }, "No placement to show.")));
+  renderPlacement();
 
   follow(`/v1/runs/${id}/logs/stream`, {
     log: (chunk) => {
@@ -438,8 +685,11 @@ async function runView(runId) {
       if (atEnd) log.scrollTop = log.scrollHeight;
     },
   });
-  const live = follow(`/v1/runs/${id}/trajectory/live/stream`, { trace: (event) => timeline(trace, [event]) });
-  live.addEventListener("end", async () => {
+  const liveTrace = follow(`/v1/runs/${id}/trajectory/live/stream`, { trace: (event) => timeline(trace, [event]) });
+  liveTrace.addEventListener("end", async () => {
+    settled = true;
+    shell.settled();
+    renderPlacement();
     renderFacts(await api(`/v1/runs/${id}`).catch(() => run));
     // the sealed record replaces the live view once it is there
     for (let i = 0; i < 40; i += 1) {
@@ -459,6 +709,199 @@ async function runView(runId) {
     }
   });
   if (!log.childNodes.length) log.append(el("span", { class: "muted" }, ""));
+}
+
+// ------------------------------------------------------------------ compare
+
+const BUCKETS = [
+  ["regressed", "Regressed cases", "the candidate's verdicts pass less often than the base's"],
+  ["improved", "Improved cases", "the candidate's verdicts pass more often"],
+  ["no_verdict", "Cases without a verdict on one side", "an infrastructure failure leaves a run without a verdict"],
+  ["only_in_base", "Only in the base", ""],
+  ["only_in_candidate", "Only in the candidate", ""],
+];
+
+function signed(value, percent) {
+  if (value === null || value === undefined) return "–";
+  const text = percent ? `${(value * 100).toFixed(1)} pp` : Number(value).toPrecision(3);
+  return value > 0 ? `+${text}` : text.replace("-", "−");
+}
+
+function pValue(value) {
+  if (value === null || value === undefined) return "–";
+  return value < 0.001 ? value.toExponential(1) : value.toFixed(3);
+}
+
+function batchOption(batch, selected) {
+  const label = `${batch.batch_id} · ${batch.suite_id || "–"} · ${batch.status} · ${when(batch.finalized_at || batch.created_at)}`;
+  return el("option", { value: batch.batch_id, selected: batch.batch_id === selected }, label);
+}
+
+function intervalChart(metrics) {
+  // the delta of every rate with its 95 % interval, on one scale from −100 to +100 points
+  const rates = metrics.filter((m) => m.statistic === "pass_rate" && m.delta !== null && m.delta !== undefined);
+  const width = 460, row = 24, left = 140, right = 20, top = 26, height = top + row * rates.length + 22;
+  const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
+  const node = (tag, attrs, text) => {
+    const n = document.createElementNS(svg.namespaceURI, tag);
+    for (const [k, v] of Object.entries(attrs)) n.setAttribute(k, v);
+    if (text !== undefined) n.textContent = text;
+    svg.append(n);
+    return n;
+  };
+  for (const [k, v] of Object.entries({ class: "chart", width, height, role: "img", "aria-label": "rate deltas with 95% intervals" })) svg.setAttribute(k, v);
+  const x = (v) => left + ((Math.max(-1, Math.min(1, v)) + 1) / 2) * (width - left - right);
+  node("text", { x: 8, y: 16 }, "candidate − base, 95 % interval");
+  node("line", { x1: x(0), y1: top - 4, x2: x(0), y2: height - 18, stroke: "#6b7385", "stroke-dasharray": "3 3" });
+  for (const v of [-1, 0, 1]) node("text", { x: x(v), y: height - 4, "text-anchor": "middle" }, `${v > 0 ? "+" : ""}${v * 100}`);
+  rates.forEach((m, i) => {
+    const y = top + i * row + row / 2;
+    const color = m.change === "regressed" ? "#c0392b" : m.change === "improved" ? "#1f8f4e" : "#2f6fd6";
+    node("text", { x: left - 8, y: y + 4, "text-anchor": "end" }, m.metric);
+    if (m.ci_low !== null && m.ci_high !== null) {
+      node("line", { x1: x(m.ci_low), y1: y, x2: x(m.ci_high), y2: y, stroke: color, "stroke-width": 3, "data-metric": m.metric });
+    }
+    node("circle", { cx: x(m.delta), cy: y, r: 5, fill: color });
+  });
+  return svg;
+}
+
+function runsCell(side) {
+  if (!side) return el("td", { class: "empty" }, "–");
+  return el("td", {}, side.runs.map((r) => el("div", {},
+    el("a", { href: `#/run/${encodeURIComponent(r.run_id)}` }, r.trial ? `trial ${r.trial}` : "run"), " ",
+    badge(r.verdict || "–", r.verdict), " ", el("span", { class: "mono" }, r.answer ?? "–"),
+    el("div", { class: "sub" }, scoreText(r.scores)))));
+}
+
+function casesTable(bucket, items) {
+  return el("table", { "data-testid": `cases-${bucket}` },
+    el("thead", {}, el("tr", {}, ["case", "base", "candidate", ""].map((h) => el("th", {}, h)))),
+    el("tbody", {}, items.map((item) => {
+      const a = item.base?.runs?.[0]?.run_id, b = item.candidate?.runs?.[0]?.run_id;
+      return el("tr", { "data-case": item.case_id, "data-change": item.change },
+        el("td", {}, item.case_id), runsCell(item.base), runsCell(item.candidate),
+        el("td", {}, a && b ? el("a", { href: `#/pair/${encodeURIComponent(a)}/${encodeURIComponent(b)}`, "data-testid": "side-by-side" }, "trajectories side by side") : ""));
+    })));
+}
+
+function flakySection(baseView, candidateView) {
+  const sides = [["base", baseView], ["candidate", candidateView]];
+  if (sides.every(([, view]) => !view?.summary?.trials)) {
+    return el("p", { class: "empty", "data-testid": "flaky" }, "Each case ran once in both batches: a case is flaky when it both passed and failed across trials (policy.trials > 1).");
+  }
+  return el("dl", { class: "kv", "data-testid": "flaky" }, sides.flatMap(([name, view]) => {
+    const trials = view?.summary?.trials;
+    const text = !trials ? "no trials" : trials.flaky ? `${trials.flaky} flaky: ${(trials.flaky_cases || []).join(", ")}${trials.flaky > (trials.flaky_cases || []).length ? " …" : ""}` : "none flaky";
+    return [el("dt", {}, `${name} (${view?.batch_id ?? "?"})`), el("dd", {}, text)];
+  }));
+}
+
+function gatesSection(gates) {
+  if (!gates) return null;
+  if (!gates.length) return el("p", { class: "empty", "data-testid": "gates" }, "The candidate declares no gates.");
+  return el("table", { "data-testid": "gates" },
+    el("thead", {}, el("tr", {}, ["gate", "verdict", "measured", "why"].map((h) => el("th", {}, h)))),
+    el("tbody", {}, gates.map((g) => el("tr", { "data-gate": g.gate, "data-passed": String(g.passed) },
+      el("td", { class: "mono" }, g.gate), el("td", {}, badge(g.passed ? "pass" : "fail")),
+      el("td", { class: "num" }, g.measured === null || g.measured === undefined ? "–" : fmt(g.measured)),
+      el("td", {}, g.detail || "")))));
+}
+
+async function compareView(query) {
+  const params = new URLSearchParams(query || "");
+  const candidate = params.get("candidate") || "";
+  const base = params.get("base") || "";
+  const listed = await api("/v1/batches?limit=100");
+  const finals = (listed.batches || []).filter((b) => b.finalized_at);
+  const pickCandidate = el("select", { name: "candidate", "data-testid": "pick-candidate" },
+    el("option", { value: "" }, "choose a batch"), finals.map((b) => batchOption(b, candidate)));
+  const pickBase = el("select", { name: "base", "data-testid": "pick-base" },
+    el("option", { value: "" }, "its suite's baseline"), finals.map((b) => batchOption(b, base)));
+  for (const [select, value] of [[pickCandidate, candidate], [pickBase, base]]) {
+    if (value && select.value !== value) select.append(el("option", { value, selected: true }, value));
+  }
+  const form = el("form", {
+    class: "pick", "data-testid": "compare-form",
+    onsubmit: (event) => {
+      event.preventDefault();
+      const next = new URLSearchParams({ candidate: pickCandidate.value });
+      if (pickBase.value) next.set("base", pickBase.value);
+      location.hash = `#/compare?${next}`;
+    },
+  }, el("label", {}, "candidate", pickCandidate), el("label", {}, "against (base)", pickBase),
+  el("button", { type: "submit", "data-testid": "compare" }, "Compare"));
+  const title = el("h1", {}, "Compare two batches");
+  if (!candidate) {
+    return show(title, el("p", { class: "sub" }, "Is the candidate better or worse than the base, and can it ship?"), form,
+      el("p", { class: "empty", "data-testid": "empty" }, finals.length ? "Pick a candidate batch; the base defaults to its suite's baseline." : "No finalized batch yet."));
+  }
+  const query2 = new URLSearchParams({ candidate });
+  if (base) query2.set("base", base);
+  let result;
+  try {
+    result = await api(`/v1/compare?${query2}`);
+  } catch (error) {
+    if (error instanceof Unauthorized) throw error;
+    return show(title, form, el("p", { class: "error", "data-testid": "compare-error" }, error.message));
+  }
+  const [baseView, candidateView] = await Promise.all([result.base, result.candidate].map(
+    (batchId) => api(`/v1/batches/${encodeURIComponent(batchId)}`).catch(() => null)));
+  const metrics = result.metrics || [];
+  const regressed = metrics.filter((m) => m.change === "regressed").map((m) => m.metric);
+  const improved = metrics.filter((m) => m.change === "improved").map((m) => m.metric);
+  const cases = result.cases || {};
+  const batchLink = (batchId) => el("a", { href: `#/batch/${encodeURIComponent(batchId)}` }, batchId);
+  const verdict = el("p", { class: "verdict-line", "data-testid": "compare-verdict", "data-regressed": regressed.join(",") },
+    regressed.length ? el("span", { class: "bad" }, `Regressed: ${regressed.join(", ")}`) : null,
+    regressed.length && improved.length ? " · " : null,
+    improved.length ? el("span", { class: "good" }, `Improved: ${improved.join(", ")}`) : null,
+    !regressed.length && !improved.length ? "No significant change." : null,
+    ` (q < ${result.alpha}, Benjamini–Hochberg across ${metrics.length} metrics) · cases: `,
+    `${(cases.regressed || []).length} regressed, ${(cases.improved || []).length} improved, ${(cases.unchanged || []).length} unchanged`);
+  const metricRows = metrics.map((m) => {
+    const rate = m.statistic === "pass_rate";
+    return el("tr", { "data-metric": m.metric, "data-change": m.change },
+      el("td", {}, m.metric), el("td", {}, m.statistic), el("td", { class: "num" }, m.n),
+      el("td", { class: "num" }, fmt(m.base, rate)), el("td", { class: "num" }, fmt(m.candidate, rate)),
+      el("td", { class: "num" }, signed(m.delta, rate)),
+      el("td", { class: "num" }, m.ci_low === null || m.ci_low === undefined ? "–" : `[${signed(m.ci_low, rate)}, ${signed(m.ci_high, rate)}]`),
+      el("td", {}, m.test || "–"), el("td", { class: "num" }, pValue(m.p_value)), el("td", { class: "num" }, pValue(m.q_value)),
+      el("td", {}, badge(m.change)));
+  });
+  const unchanged = cases.unchanged || [];
+  show(title,
+    el("p", { class: "sub" }, "candidate ", batchLink(result.candidate), ` (${result.candidate_suite || "–"}) against `,
+      result.baseline ? "its suite's baseline " : "", batchLink(result.base), ` (${result.base_suite || "–"})`),
+    form, verdict,
+    el("h2", {}, "Metrics"),
+    metrics.length ? el("div", {},
+      el("table", { "data-testid": "compare-metrics" },
+        el("thead", {}, el("tr", {}, ["metric", "statistic", "pairs", "base", "candidate", "delta", "95 % interval", "test", "p", "q", "change"].map((h) => el("th", {}, h)))),
+        el("tbody", {}, metricRows)),
+      el("div", { class: "chart-row" }, intervalChart(metrics))) : el("p", { class: "empty" }, "No metric in common."),
+    ...(result.gates !== undefined ? [el("h2", {}, "Gates"), gatesSection(result.gates)] : []),
+    el("h2", {}, "Flaky cases"), flakySection(baseView, candidateView),
+    ...BUCKETS.filter(([bucket]) => (cases[bucket] || []).length).flatMap(([bucket, heading, hint]) => [
+      el("h2", {}, `${heading} (${cases[bucket].length})`), hint ? el("p", { class: "sub" }, hint) : null, casesTable(bucket, cases[bucket])]),
+    unchanged.length ? el("details", {}, el("summary", {}, `Unchanged cases (${unchanged.length})`), casesTable("unchanged", unchanged)) : null);
+}
+
+async function pairView(baseRun, candidateRun) {
+  // two runs' recorded trajectories side by side (a case in the base and in the candidate)
+  const column = async (label, runId) => {
+    const id = encodeURIComponent(runId);
+    const [run, trajectory] = await Promise.all([api(`/v1/runs/${id}`).catch(() => null), api(`/v1/runs/${id}/trajectory`).catch(() => null)]);
+    const list = el("ol", { class: "timeline" });
+    timeline(list, trajectory ? sealedTrace(trajectory) : []);
+    return el("section", { "data-testid": `pair-${label}` },
+      el("h2", {}, `${label}: `, el("a", { href: `#/run/${id}` }, runId)),
+      el("dl", { class: "kv" }, [["verdict", badge(run?.verdict || "–", run?.verdict)], ["answer", run?.answer ?? "–"], ["scores", scoreText(run?.scores) || "–"]]
+        .flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)])),
+      list.childNodes.length ? list : el("p", { class: "empty" }, "No recorded trace."));
+  };
+  const [left, right] = await Promise.all([column("base", baseRun), column("candidate", candidateRun)]);
+  show(el("h1", {}, "Two runs side by side"), el("div", { class: "grid2" }, left, right));
 }
 
 // ------------------------------------------------------------------ online
@@ -519,6 +962,8 @@ const ROUTES = [
   [/^#\/batches$/, () => batchesView(), "batches"],
   [/^#\/batch\/(.+)$/, (m) => batchView(decodeURIComponent(m[1])), "batches"],
   [/^#\/run\/(.+)$/, (m) => runView(decodeURIComponent(m[1])), "batches"],
+  [/^#\/compare(?:\?(.*))?$/, (m) => compareView(m[1]), "compare"],
+  [/^#\/pair\/([^/]+)\/([^/]+)$/, (m) => pairView(decodeURIComponent(m[1]), decodeURIComponent(m[2])), "compare"],
   [/^#\/online$/, () => onlineView(), "online"],
   [/^#\/online\/(.+)$/, (m) => onlineSuiteView(decodeURIComponent(m[1])), "online"],
 ];
