@@ -7,14 +7,37 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from evalbus.infra.ports import free_port, wait_port
 
+STOCK_MAX_PAYLOAD = 1024 * 1024
+"""A stock nats-server's `max_payload` (1 MB): what the pipeline must run on."""
+DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
+"""The embedded server's default `max_payload` while large traces still ride in `case.executed`."""
+MAX_PAYLOAD_ENV = "EVALBUS_NATS_MAX_PAYLOAD"
+"""Setting of the embedded server's `max_payload` in bytes (`evalbus up`, the test rig); unset:
+`DEFAULT_MAX_PAYLOAD`."""
+
 
 class NatsServerNotFoundError(RuntimeError):
     """The nats-server binary is not installed in this environment."""
+
+
+def max_payload_setting(environ: Mapping[str, str] = os.environ) -> int:
+    """`EVALBUS_NATS_MAX_PAYLOAD` (bytes, at least 64 KiB and at most nats' 64 MiB), else the default."""
+    raw = environ.get(MAX_PAYLOAD_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_PAYLOAD
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{MAX_PAYLOAD_ENV} must be a number of bytes, got {raw!r}") from None
+    if not 64 * 1024 <= value <= 64 * 1024 * 1024:
+        raise ValueError(f"{MAX_PAYLOAD_ENV} must be between 65536 and 67108864 bytes, got {value}")
+    return value
 
 
 def nats_server_binary() -> str:
@@ -74,7 +97,7 @@ def start_nats(
     cluster_port: int | None = None,
     routes: list[int] | None = None,
     cluster_name: str = "evalbus",
-    max_payload: int = 8 * 1024 * 1024,
+    max_payload: int | None = None,
     detach: bool = False,
     wait: bool = True,
     monitor_port: int | None = None,
@@ -83,7 +106,10 @@ def start_nats(
     """Start nats-server with JetStream storing under `data_dir`; wait until it accepts clients.
 
     `detach` puts it in a session of its own so it outlives the caller (as `evalbus up` needs).
+    `max_payload` defaults to the `EVALBUS_NATS_MAX_PAYLOAD` setting (`max_payload_setting`).
     """
+    if max_payload is None:
+        max_payload = max_payload_setting()
     data_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     monitor_port = monitor_port or free_port()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from evalbus.infra.nats import NatsServer, start_nats, start_nats_cluster
+from evalbus.infra.nats import STOCK_MAX_PAYLOAD, NatsServer, start_nats, start_nats_cluster
 from evalbus.infra.postgres import create_database, drop_database, start_embedded_postgres
 
 
@@ -37,6 +37,15 @@ def nats_server(rig_dir: Path) -> Iterator[NatsServer]:
 def nats_url(nats_server: NatsServer) -> str:
     """URL of the session's nats-server."""
     return nats_server.url
+
+
+@pytest.fixture(scope="session")
+def stock_nats(rig_dir: Path) -> Iterator[NatsServer]:
+    """A nats-server with a stock server's 1 MB `max_payload`, for the session: what does not fit
+    an event must go through the object store."""
+    server = start_nats(rig_dir / "nats-stock", name="evalbus-stock", max_payload=STOCK_MAX_PAYLOAD)
+    yield server
+    server.stop()
 
 
 @pytest.fixture

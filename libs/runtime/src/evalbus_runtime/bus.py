@@ -11,7 +11,17 @@ from nats.js import JetStreamContext
 from nats.js import api as jsapi
 from nats.js.errors import BadRequestError, NotFoundError
 
-from evalbus_contracts.streams import BUCKETS, CONSUMERS, STREAMS, ConsumerDef, KvDef, StreamDef
+from evalbus_contracts.streams import (
+    BUCKETS,
+    CONSUMERS,
+    OBJECT_BUCKETS,
+    STREAMS,
+    ConsumerDef,
+    KvDef,
+    ObjectBucketDef,
+    StreamDef,
+)
+from evalbus_runtime.objects import ensure_object_bucket
 
 log = logging.getLogger("evalbus.bus")
 
@@ -130,13 +140,16 @@ async def ensure_topology(
     consumers: Iterable[ConsumerDef] = CONSUMERS,
     replicas: int = 1,
     buckets: Iterable[KvDef] = BUCKETS,
+    object_buckets: Iterable[ObjectBucketDef] = OBJECT_BUCKETS,
 ) -> None:
-    """Create every stream, key-value bucket and consumer evalbus needs (idempotent; safe from
-    several replicas)."""
+    """Create every stream, key-value bucket, object store bucket and consumer evalbus needs
+    (idempotent; safe from several replicas)."""
     for stream in streams:
         await ensure_stream(js, stream, replicas)
     for bucket in buckets:
         await ensure_bucket(js, bucket, replicas)
+    for object_bucket in object_buckets:
+        await ensure_object_bucket(js, object_bucket, replicas)
     for consumer in consumers:
         await ensure_consumer(js, consumer)
 
