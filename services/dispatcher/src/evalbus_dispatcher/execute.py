@@ -285,7 +285,8 @@ class _Execution:
         async def spawned(pid: int) -> None:
             self._unit = handle.unit or f"pid:{pid}"
             where = f" on {self._node}" if self._node else ""
-            await self._mark(tee, "placed", f"process group {pid} started{where}")
+            what = f"worker {pid} took the case" if req.harness.kind == "worker" else f"process group {pid} started"
+            await self._mark(tee, "placed", f"{what}{where}")
             await sampler.start(pid)
 
         ran: HarnessRun | None = None

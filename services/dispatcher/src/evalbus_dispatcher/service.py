@@ -308,6 +308,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         await screens.close()
         await presence.stop()
         await puller.close()
+        await backend.close()  # the warm workers
 
     async def on_batch(event: BatchRequested, _: Delivery) -> Sequence[EventBase]:
         if event.rejudge_of is not None:

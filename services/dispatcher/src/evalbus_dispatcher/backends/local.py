@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from evalbus_contracts import CaseRequested, PromptSnapshot, RepoSnapshot, Snapshot
@@ -42,6 +43,9 @@ from evalbus_dispatcher.backends.pty_shell import PtyShell
 from evalbus_dispatcher.errors import BackendError
 from evalbus_grading import ExecResult
 from evalbus_runtime.secrets import SecretStore
+
+if TYPE_CHECKING:
+    from evalbus_dispatcher.backends.worker import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -407,6 +411,7 @@ class LocalBackend:
         self._cap = output_cap_bytes
         self._used = 0
         self._node = platform.node() or None
+        self._workers: WorkerPool | None = None
 
     @property
     def root(self) -> Path | None:
@@ -416,6 +421,20 @@ class LocalBackend:
     def capacity(self) -> Capacity:
         """Slots configured and held by unreleased sandboxes."""
         return Capacity(total=self._slots, used=self._used)
+
+    @property
+    def workers(self) -> WorkerPool:
+        """The warm workers of `kind: worker` harnesses (started on first use)."""
+        if self._workers is None:
+            from evalbus_dispatcher.backends.worker import WorkerPool
+
+            self._workers = WorkerPool(slots=self._slots, root=self._root, grace_s=self._grace_s)
+        return self._workers
+
+    async def close(self) -> None:
+        """Stop the warm workers."""
+        if self._workers is not None:
+            await self._workers.close()
 
     async def provision(self, job: CaseRequested) -> LocalSandbox:
         """A fresh workdir with the harness files written, secrets resolved; raises `BackendError`."""
@@ -473,6 +492,7 @@ class LocalBackend:
             grace_s=self._grace_s,
             drain_s=self._drain_s,
             cap=self._cap,
+            workers=self.workers if job.harness.kind == "worker" else None,
         )
 
     def _slot_freed(self) -> None:
@@ -495,8 +515,10 @@ class LocalSandbox:
         grace_s: float,
         drain_s: float,
         cap: int,
+        workers: WorkerPool | None = None,
     ) -> None:
         self._job = job
+        self._workers = workers
         self._case_root = case_root
         self.workdir = workdir
         """Where the harness and grader commands run."""
@@ -549,6 +571,8 @@ class LocalSandbox:
         """Run the harness command with the case input; a spawn failure is reported, not raised.
         `on_spawn(pid)` is awaited once the process exists, before its output is read."""
         self._check_live()
+        if self._workers is not None:
+            return await self._run_on_worker(self._workers, on_output, on_spawn)
         argv = self._job.harness.command
         if not argv:
             return HarnessRun(exit_code=None, stdout="", stderr="", spawn_error="the harness command is empty")
@@ -592,6 +616,27 @@ class LocalSandbox:
             signal=exited.signal,
             oom=oom,
             pid=self._pgid,
+        )
+
+    async def _run_on_worker(self, workers: WorkerPool, on_output: OnOutput, on_spawn: OnSpawn | None) -> HarnessRun:
+        """The case served by a warm worker (`harness.kind: worker`) in this workdir."""
+
+        async def spawned(pid: int) -> None:
+            self._pgid = pid
+            self._unit = f"pgid:{pid}"
+            if on_spawn is not None:
+                await on_spawn(pid)
+
+        return await workers.run_case(
+            self._job,
+            workdir=self.workdir,
+            env=self._env,
+            secret_env=self._secret_env,
+            timeout_s=self._job.case.timeout_s or self._job.harness.timeout_s,
+            redact=self._redact,
+            on_output=on_output,
+            on_spawn=spawned,
+            cap=self._cap,
         )
 
     async def exec(self, command: str, timeout_s: float) -> ExecResult:
