@@ -162,10 +162,13 @@ class _Channel:
 
 
 class _PrintedText(io.TextIOBase):
-    """`sys.stdout` while a case runs: each line printed becomes a `log` message of that case."""
+    """`sys.stdout` (or `sys.stderr`) while a case runs: each line printed becomes a `log` message
+    of that case, in order with its events and result; between cases it goes to the real stderr."""
 
-    def __init__(self, channel: _Channel) -> None:
+    def __init__(self, channel: _Channel, stream: Literal["stdout", "stderr"], between: IO[str]) -> None:
         self._channel = channel
+        self._stream: Literal["stdout", "stderr"] = stream
+        self._between = between
         self._pending = ""
         self.run_id: str | None = None
 
@@ -186,9 +189,10 @@ class _PrintedText(io.TextIOBase):
 
     def _emit(self, text: str) -> None:
         if self.run_id is None:
-            sys.stderr.write(text + "\n")  # printed between cases: not part of any run
+            self._between.write(text + "\n")  # printed between cases: not part of any run
+            self._between.flush()
         else:
-            self._channel.send(LogMessage(run_id=self.run_id, text=text))
+            self._channel.send(LogMessage(run_id=self.run_id, stream=self._stream, text=text))
 
 
 @dataclass
@@ -248,7 +252,7 @@ def load_target(target: str) -> Harness:
 
 
 @contextlib.contextmanager
-def _in_case(case: CaseMessage, printed: _PrintedText) -> Iterator[None]:
+def _in_case(case: CaseMessage, printed: tuple[_PrintedText, ...]) -> Iterator[None]:
     """The case's workdir as the current directory and its variables in the environment, for its
     duration."""
     home = os.getcwd()
@@ -258,12 +262,14 @@ def _in_case(case: CaseMessage, printed: _PrintedText) -> Iterator[None]:
         os.environ.pop("EVALBUS_BATCH_ID", None)
     os.environ.update(case.env)
     os.chdir(case.workdir)
-    printed.run_id = case.run_id
+    for stream in printed:
+        stream.run_id = case.run_id
     try:
         yield
     finally:
-        printed.flush()
-        printed.run_id = None
+        for stream in printed:
+            stream.flush()
+            stream.run_id = None
         os.chdir(home)
         for key, value in saved.items():
             if value is None:
@@ -289,7 +295,8 @@ def serve(target: Harness | Solve, *, stdin: IO[bytes] | None = None, stdout: IO
     """Serve `target` over the worker protocol until stdin ends (exit code 0), one case at a time.
 
     The protocol owns this process's stdout: anything else that writes to file descriptor 1 (a C
-    extension, a child process) is sent to stderr instead, and `sys.stdout` becomes the case's log.
+    extension, a child process) is sent to stderr instead, and while a case runs `sys.stdout` and
+    `sys.stderr` are its log (sent in order with its events and its result).
     An async function runs on one event loop kept for the worker's life.
     """
     found = target if isinstance(target, Harness) else harness(target)
@@ -301,8 +308,9 @@ def serve(target: Harness | Solve, *, stdin: IO[bytes] | None = None, stdout: IO
         out = stdout
     source = stdin if stdin is not None else sys.stdin.buffer
     channel = _Channel(out)
-    printed = _PrintedText(channel)
-    sys.stdout = printed
+    real_stderr = sys.stderr
+    printed = (_PrintedText(channel, "stdout", real_stderr), _PrintedText(channel, "stderr", real_stderr))
+    sys.stdout, sys.stderr = printed
     loop: asyncio.AbstractEventLoop | None = None
     channel.send(Ready())
     try:
@@ -326,8 +334,7 @@ def serve(target: Harness | Solve, *, stdin: IO[bytes] | None = None, stdout: IO
                         loop = loop or asyncio.new_event_loop()
                         result = loop.run_until_complete(result)
                 except Exception as e:
-                    sys.stderr.write(traceback.format_exc())
-                    sys.stderr.flush()
+                    sys.stderr.write(traceback.format_exc())  # the case's stderr, before its result
                     outcome = ResultMessage(run_id=case.run_id, error=f"{type(e).__name__}: {e}")
                 else:
                     outcome = ResultMessage(run_id=case.run_id, answer=_answer_text(result))

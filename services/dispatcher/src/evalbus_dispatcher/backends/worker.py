@@ -118,6 +118,8 @@ class _Worker:
         self.serving: _Serving | None = None
         self.dead = False
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.drained = asyncio.Event()
+        """Set once it exited and what it wrote was read (bounded)."""
         self.recent: deque[str] = deque(maxlen=_RECENT_LINES)
         """Its last stderr lines outside any case (evidence when it dies starting)."""
         self._transport: asyncio.SubprocessTransport | None = None
@@ -242,6 +244,7 @@ class _Worker:
         # what it wrote before it died is still in the pipes: read it, bounded
         await asyncio.wait(self._tasks[:2], timeout=2.0)
         self.dead = True
+        self.drained.set()
         if not self.ready.done():
             self.ready.set_exception(_Exited())
         if self.serving is not None:
@@ -383,6 +386,10 @@ class WorkerPool:
             outcome = await self._serve(
                 worker, job, serving, workdir, case_env, timeout_s - (time.monotonic() - started)
             )
+            if isinstance(outcome, RunFailure):  # its last words are evidence: read them first
+                worker.kill()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(worker.drained.wait(), self._grace_s + 3.0)
         except BaseException:  # cancelled: the worker's state is unknown, it must not serve again
             worker.dead = True
             worker.kill()
@@ -395,8 +402,6 @@ class WorkerPool:
             return self._ended(serving, worker, duration, exit_code=TIMEOUT_EXIT, timed_out=True)
         if isinstance(outcome, RunFailure):
             self._retire(worker)
-            with contextlib.suppress(TimeoutError):  # killed or dead already: its exit status follows
-                await asyncio.wait_for(worker.exited.wait(), self._grace_s + 2.0)
             code = worker.returncode()
             sig = -code if code is not None and code < 0 else None
             oom = procfs.oom_verdict(sig, timed_out=False, before=oom_before, after=procfs.oom_kills())
