@@ -27,7 +27,7 @@ from playwright.async_api import Browser, Locator, Page, async_playwright, expec
 
 from evalbus.testing.chromium import ensure_chromium, png_size_and_first_pixel
 from evalbus.testing.pipeline import Pipeline, eventually, open_pipeline, wait_path
-from evalbus_contracts import AnswerMatchGrader, BatchSpec, CaseSpec, CommandHarness, SuiteSpec
+from evalbus_contracts import AnswerMatchGrader, BatchSpec, CaseSpec, CommandHarness, RegressionGate, SuiteSpec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -352,8 +352,12 @@ print("EVALBUS_RESULT " + json.dumps({"answer": str(answer)}), flush=True)
 """
 
 
+GATES = ("verdicts.pass_rate >= 80%", RegressionGate(no_significant_regression=("verdicts",)), "counts.executed >= 8")
+
+
 def adder_batch(suite_id: str, *, bug: bool) -> BatchSpec:
-    """Eight sums; with the bug, six of them are wrong (an exact McNemar p of 2/64 on verdicts)."""
+    """Eight sums; with the bug, six of them are wrong (an exact McNemar p of 2/64 on verdicts),
+    and its gates: a pass rate, no regression against the baseline, every case executed."""
     cases = tuple(
         CaseSpec(
             id=f"add-{a}",
@@ -366,7 +370,7 @@ def adder_batch(suite_id: str, *, bug: bool) -> BatchSpec:
     harness = CommandHarness(
         id="adder", command=(sys.executable, "-c", ADDER), env={"ADDER_BUG": "1" if bug else "0"}, timeout_s=60
     )
-    return BatchSpec(suite=SuiteSpec(id=suite_id, cases=cases), harness=harness)
+    return BatchSpec(suite=SuiteSpec(id=suite_id, cases=cases), harness=harness, gates=GATES if bug else ())
 
 
 async def test_the_compare_page_shows_a_regression_against_the_baseline(pipeline: Pipeline, browser: Browser) -> None:
@@ -404,6 +408,12 @@ async def test_the_compare_page_shows_a_regression_against_the_baseline(pipeline
     await expect(add2.nth(1)).to_contain_text("pass 3")  # the base's verdict and answer
     await expect(add2.nth(2)).to_contain_text("fail 4")  # the candidate's
     await expect(page.get_by_test_id("flaky")).to_contain_text("Each case ran once")
+    # The candidate's gates, decided as `evalbus run` decides them.
+    gates = page.get_by_test_id("gates")
+    await expect(gates.locator('tr[data-passed="false"]')).to_have_count(2)
+    await expect(gates.locator('tr[data-gate="verdicts.pass_rate >= 80%"]')).to_contain_text("fail0.250")
+    await expect(gates.locator('tr[data-gate="no_significant_regression: verdicts"]')).to_contain_text("verdicts")
+    await expect(gates.locator('tr[data-gate="counts.executed >= 8"]')).to_contain_text("pass8")
     await shot(page, "10-compare")
 
     # Each regressed case leads to both trajectories side by side.

@@ -34,6 +34,7 @@ from evalbus_contracts import (
     CaseSpec,
     EventBase,
     Measured,
+    RegressionGate,
     SuiteSpec,
     batch_run_id,
     to_builtins,
@@ -213,6 +214,73 @@ async def test_a_designed_regression_is_significant_with_its_cases(
     same = await alice.compare(base, base)
     assert not any(m.significant for m in same.metrics)
     assert len(same.cases.unchanged) == len(CASES)
+
+
+async def test_the_answer_carries_the_candidates_gates_decided(
+    gateway: RunningGateway, bus: tuple[NatsClient, Publisher]
+) -> None:
+    _, pub = bus
+    suite = f"s-{uuid.uuid4().hex[:6]}"
+    spec = suite_spec(suite, CASES)
+    base = await drive(gateway, pub, spec, {(c, None): "right" for c in CASES})
+    other = await drive(gateway, pub, spec, {(c, None): "wrong" for c in CASES})
+    gates = (
+        "verdicts.pass_rate >= 0.8",
+        "metric.answer_match.count == 12",
+        "metric.tokens.mean <= 100",
+        RegressionGate(no_significant_regression=("verdicts",), baseline=base),
+        RegressionGate(no_significant_regression=("answer_match",), baseline=other),
+        "no_significant_regression: verdicts",
+    )
+    gated = msgspec.structs.replace(spec, gates=gates)
+    candidate = await drive(
+        gateway, pub, gated, {(c, None): "wrong" if i < 8 else "right" for i, c in enumerate(CASES)}
+    )
+
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(
+            f"{gateway.base_url}/v1/compare",
+            params={"base": base, "candidate": candidate},
+            headers={"Authorization": f"Bearer {ALICE}"},
+        ) as resp,
+    ):
+        assert resp.status == 200
+        doc = await resp.json()
+    decided = {g["gate"]: g for g in doc["gates"]}
+    assert [g["gate"] for g in doc["gates"]] == [
+        "verdicts.pass_rate >= 0.8",
+        "metric.answer_match.count == 12",
+        "metric.tokens.mean <= 100",
+        f"no_significant_regression: verdicts against {base}",
+        f"no_significant_regression: answer_match against {other}",
+        "no_significant_regression: verdicts",
+    ]
+    assert (decided["verdicts.pass_rate >= 0.8"]["passed"], decided["verdicts.pass_rate >= 0.8"]["measured"]) == (
+        False,
+        pytest.approx(4 / 12),
+    )
+    assert decided["metric.answer_match.count == 12"]["passed"] is True
+    assert decided["metric.tokens.mean <= 100"]["passed"] is False  # never measured: fails, never vacuous
+    assert decided[f"no_significant_regression: verdicts against {base}"]["passed"] is False
+    # against a batch that answered everything wrong, the candidate improved: nothing regressed
+    assert decided[f"no_significant_regression: answer_match against {other}"]["passed"] is True
+    assert decided["no_significant_regression: verdicts"] == {
+        "gate": "no_significant_regression: verdicts",
+        "passed": False,
+        "measured": None,
+        "detail": f"suite {suite} has no baseline to compare with (evalbus baseline set {suite} BATCH)",
+    }
+    # a batch without gates answers none
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(
+            f"{gateway.base_url}/v1/compare",
+            params={"base": candidate, "candidate": base},
+            headers={"Authorization": f"Bearer {ALICE}"},
+        ) as resp,
+    ):
+        assert (await resp.json())["gates"] == []
 
 
 async def test_trials_are_pooled_and_disjoint_cases_are_on_one_side(

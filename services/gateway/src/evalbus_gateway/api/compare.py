@@ -4,7 +4,8 @@ suite's baseline (`GET|PUT /v1/suites/{suite_id}/baseline`).
 The comparison is `evalbus_grading.compare` over the two batches' runs as the `runs` read model
 holds them (cancelled runs and runs that never executed are left out), computed in a worker thread
 so the event loop keeps serving. Both batches must be visible to the caller (404 otherwise, as for
-every batch read) and finalized (409).
+every batch read) and finalized (409). The answer also carries the candidate's own gates (those its
+spec recorded), decided as `evalbus run` decides them, so the dashboard shows the same verdicts.
 
 A baseline is an event: setting one publishes `suite.baseline.set` on `suite.baseline.<suite>` in
 CASES (the recorder stores it in the event store like every CASES event), and a read takes the last
@@ -22,7 +23,16 @@ from datetime import datetime
 import msgspec
 from aiohttp import web
 
-from evalbus_contracts import CaseFailure, DecodeError, Score, SuiteBaselineSet, decode, decode_event, encode
+from evalbus_contracts import (
+    BatchSummary,
+    CaseFailure,
+    DecodeError,
+    Score,
+    SuiteBaselineSet,
+    decode,
+    decode_event,
+    encode,
+)
 from evalbus_contracts.streams import CASES
 from evalbus_contracts.subjects import suite_baseline_subject
 from evalbus_gateway.api.errors import ApiError, not_found
@@ -31,8 +41,9 @@ from evalbus_gateway.api.reads import finalized_on_stream, find_batch
 from evalbus_gateway.api.table import Body, Call, Param, Route
 from evalbus_gateway.api.validation import MAX_ID_LENGTH, path_id, query_str, read_json
 from evalbus_gateway.store.connections import acquire
-from evalbus_gateway.store.queries import BatchView
+from evalbus_gateway.store.queries import BatchView, get_batch_spec
 from evalbus_grading.compare import CaseRun, Comparison, compare
+from evalbus_grading.gates import GateError, GateResult, NoRegression, decide_regression, decide_threshold, parse_gate
 
 log = logging.getLogger("evalbus.gateway.compare")
 
@@ -58,6 +69,16 @@ class BaselineView(msgspec.Struct, frozen=True, kw_only=True):
     """Who set it."""
     set_at: datetime
     """When."""
+
+
+class ComparisonView(Comparison, frozen=True, kw_only=True):
+    """A comparison as `GET /v1/compare` answers it."""
+
+    gates: tuple[GateResult, ...] = ()
+    """The candidate's gates (its suite's `gates:` and any `--gate` it was run with, as its spec
+    recorded them), each decided as `evalbus run` decides it: a threshold on the candidate's summary, a
+    regression gate against the batch it names or the suite's baseline (this comparison when that
+    is the base). Empty when it declared none."""
 
 
 def _json(value: object, status: int = 200) -> web.Response:
@@ -129,6 +150,56 @@ async def compared_runs(call: Call, batch_id: str) -> list[CaseRun]:
     return runs
 
 
+async def _against(
+    call: Call, candidate: BatchView, named: str | None, compared: Comparison
+) -> tuple[Comparison | None, str]:
+    """The candidate compared with the base a regression gate names (None: the suite's baseline),
+    or None and why not; the comparison already made when that is its base."""
+    if named is None:
+        baseline = await current_baseline(call, candidate.suite_id) if candidate.suite_id else None
+        if baseline is None:
+            suite = candidate.suite_id or "?"
+            return None, f"suite {suite} has no baseline to compare with (evalbus baseline set {suite} BATCH)"
+        named = baseline.batch_id
+    if named == compared.base:
+        return compared, ""
+    try:
+        base = await _visible(call, named, "base")
+        _finalized(base, "base")
+    except ApiError as e:
+        return None, f"comparing with {named} failed: {e}"
+    base_runs = await compared_runs(call, named)
+    candidate_runs = await compared_runs(call, candidate.batch_id)
+    return await asyncio.to_thread(compare, named, base_runs, candidate.batch_id, candidate_runs), ""
+
+
+async def candidate_gates(call: Call, candidate: BatchView, compared: Comparison) -> tuple[GateResult, ...]:
+    """Every gate the candidate's spec recorded, decided."""
+    spec = await get_batch_spec(call.state.pool, candidate.batch_id)
+    if spec is None or not spec.gates:
+        return ()
+    summary = candidate.summary or BatchSummary()
+    bases: dict[str | None, tuple[Comparison | None, str]] = {}
+    results = []
+    for raw in spec.gates:
+        try:
+            gate = parse_gate(raw)
+        except GateError as e:  # refused at submission; a spec recorded by an older gateway may hold one
+            results.append(
+                GateResult(
+                    gate=raw if isinstance(raw, str) else "no_significant_regression", passed=False, detail=str(e)
+                )
+            )
+            continue
+        if isinstance(gate, NoRegression):
+            if gate.baseline not in bases:
+                bases[gate.baseline] = await _against(call, candidate, gate.baseline, compared)
+            results.append(decide_regression(gate, *bases[gate.baseline]))
+        else:
+            results.append(decide_threshold(gate, summary))
+    return tuple(results)
+
+
 # ---------------------------------------------------------------- handlers
 
 
@@ -160,7 +231,8 @@ async def compare_batches(call: Call) -> web.StreamResponse:
     comparison = msgspec.structs.replace(
         comparison, base_suite=base.suite_id, candidate_suite=candidate.suite_id, baseline=from_baseline
     )
-    return _json(comparison)
+    gates = await candidate_gates(call, candidate, comparison)
+    return _json(ComparisonView(**msgspec.structs.asdict(comparison), gates=gates))
 
 
 async def get_baseline(call: Call) -> web.StreamResponse:
@@ -214,14 +286,15 @@ ROUTES: tuple[Route, ...] = (
         "p-value of a paired test (exact McNemar for pass/fail pairs, Wilcoxon signed-rank otherwise), a "
         "Benjamini–Hochberg q-value across the metrics and `significant` (q < 0.05); the cases by what became of "
         "their verdicts, each with both batches' runs. Without `base`, the candidate suite's baseline. 404 when "
-        "a batch is unknown or not the caller's (or there is no baseline), 409 when one is not finalized.",
+        "a batch is unknown or not the caller's (or there is no baseline), 409 when one is not finalized. `gates`: the "
+        "candidate's own gates, decided as `evalbus run` decides them.",
         tag="compare",
         params=(
             Param("candidate", "query", "The candidate batch", _ID, required=True),
             Param("base", "query", "The base batch (default: the candidate suite's baseline)", _ID),
         ),
         responses={
-            200: Body("The comparison", Comparison),
+            200: Body("The comparison", ComparisonView),
             404: Body("Unknown batch, or no baseline (`error.field` names which)", ErrorBody),
             409: Body("A batch is not finalized", ErrorBody),
         },

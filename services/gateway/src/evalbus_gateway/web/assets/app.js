@@ -804,7 +804,7 @@ function gatesSection(gates) {
     el("thead", {}, el("tr", {}, ["gate", "verdict", "measured", "why"].map((h) => el("th", {}, h)))),
     el("tbody", {}, gates.map((g) => el("tr", { "data-gate": g.gate, "data-passed": String(g.passed) },
       el("td", { class: "mono" }, g.gate), el("td", {}, badge(g.passed ? "pass" : "fail")),
-      el("td", { class: "num" }, g.measured === null || g.measured === undefined ? "–" : fmt(g.measured)),
+      el("td", { class: "num" }, g.measured === null || g.measured === undefined ? "–" : Number.isInteger(g.measured) ? String(g.measured) : fmt(g.measured)),
       el("td", {}, g.detail || "")))));
 }
 
@@ -880,7 +880,9 @@ async function compareView(query) {
         el("thead", {}, el("tr", {}, ["metric", "statistic", "pairs", "base", "candidate", "delta", "95 % interval", "test", "p", "q", "change"].map((h) => el("th", {}, h)))),
         el("tbody", {}, metricRows)),
       el("div", { class: "chart-row" }, intervalChart(metrics))) : el("p", { class: "empty" }, "No metric in common."),
-    ...(result.gates !== undefined ? [el("h2", {}, "Gates"), gatesSection(result.gates)] : []),
+    ...(result.gates !== undefined ? [
+      el("h2", {}, `Gates${result.gates.length ? ` (${result.gates.filter((g) => g.passed).length} of ${result.gates.length} passed)` : ""}`),
+      gatesSection(result.gates)] : []),
     el("h2", {}, "Flaky cases"), flakySection(baseView, candidateView),
     ...BUCKETS.filter(([bucket]) => (cases[bucket] || []).length).flatMap(([bucket, heading, hint]) => [
       el("h2", {}, `${heading} (${cases[bucket].length})`), hint ? el("p", { class: "sub" }, hint) : null, casesTable(bucket, cases[bucket])]),
