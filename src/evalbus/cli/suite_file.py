@@ -14,7 +14,8 @@ decoding would ignore it.
 
 Paths in the harness command are relative to the suite file: an element of `harness.command`
 that names an existing file next to the suite (`agent.py`, `bin/agent`) becomes its absolute
-path, so `python3 agent.py` works whatever the working directory. Relative `jsonl` sink paths are
+path, so `python3 agent.py` works whatever the working directory (and so does a worker harness's
+`python: agent.py:solve`). Relative `jsonl` sink paths are
 left alone: the exporter resolves them inside its export folder. A dataset path is relative to the
 suite file too.
 """
@@ -107,14 +108,21 @@ def convert_as(data: Any, kind: type[T], source: str, root: str = "$") -> T:
 
 def resolve_command(spec: BatchSpec, folder: Path) -> BatchSpec:
     """`spec` with each relative `harness.command` element that names an existing file in
-    `folder` replaced by its absolute path."""
+    `folder` replaced by its absolute path, and likewise the file of a worker's
+    `harness.python: file.py:function`."""
     command = tuple(
         str((folder / arg).resolve()) if arg and not Path(arg).is_absolute() and (folder / arg).is_file() else arg
         for arg in spec.harness.command
     )
-    if command == spec.harness.command:
+    python = spec.harness.python
+    if python is not None:  # a worker's `file.py:function` next to the suite
+        where, sep, name = python.rpartition(":")
+        if sep and where.endswith(".py") and not Path(where).is_absolute() and (folder / where).is_file():
+            python = f"{(folder / where).resolve()}:{name}"
+    if command == spec.harness.command and python == spec.harness.python:
         return spec
-    return msgspec.structs.replace(spec, harness=msgspec.structs.replace(spec.harness, command=command))
+    harness = msgspec.structs.replace(spec.harness, command=command, python=python)
+    return msgspec.structs.replace(spec, harness=harness)
 
 
 def load_suite(path: Path) -> BatchSpec:
