@@ -37,6 +37,8 @@ from .conftest import LiveRecord
 
 pytestmark = pytest.mark.integration
 
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+
 AGENT = """
 import os
 from pathlib import Path
@@ -267,3 +269,35 @@ async def test_a_worker_that_cannot_start_fails_its_case_as_its_fault(
 )
 def test_harness_spec_rules(spec: HarnessSpec, problems: list[str]) -> None:
     assert [field for field, _ in harness_problems(spec)] == problems
+
+
+async def test_the_example_worker_suite_runs_on_warm_workers(backend: LocalBackend, live: LiveSink) -> None:
+    from evalbus.cli.suite_file import load_suite
+
+    spec = load_suite(EXAMPLES / "worker.yaml")
+    assert spec.harness.python == f"{EXAMPLES / 'worker_agent.py'}:solve"
+    try:
+        done = [
+            await execute_case(
+                CaseRequested(
+                    batch_id="wx",
+                    case_id=case.id,
+                    run_id=batch_run_id("wx", case.id, None),
+                    case=case,
+                    harness=spec.harness,
+                    plan=CasePlan(suite_id=spec.suite.id),
+                ),
+                backend,
+                live=live,
+                on_release=lambda: None,
+            )
+            for case in spec.suite.cases
+        ]
+    finally:
+        await backend.close()
+    assert [e.result.answer for e in done] == [c.expected for c in spec.suite.cases] == ["42", "42", "20"]
+    for executed in done:
+        assert executed.status == "succeeded", executed.result.failure
+        scores = {s.grader_id: s for s in executed.result.scores}
+        assert all(isinstance(s, Measured) and s.passed for s in scores.values()), scores
+    assert backend.workers.spawned == 1
