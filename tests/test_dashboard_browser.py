@@ -70,8 +70,22 @@ async def shot(page: Page, name: str) -> None:
     await page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
 
 
+CSP_RECORDER = """
+window.cspViolations = [];
+document.addEventListener("securitypolicyviolation", (e) => {
+  window.cspViolations.push(`${e.effectiveDirective} refused ${e.blockedURI || "inline"}: ${e.sample}`);
+});
+"""
+"""Records what the page's Content-Security-Policy refused (the page must need nothing it refuses)."""
+
+
+async def csp_violations(page: Page) -> list[str]:
+    return list(await page.evaluate("window.cspViolations"))
+
+
 async def logged_in(browser: Browser, p: Pipeline) -> Page:
     page = await browser.new_page(viewport={"width": 1300, "height": 900})
+    await page.add_init_script(CSP_RECORDER)
     await page.goto(p.stack.gateway_url + "/")
     await page.get_by_test_id("token").fill("not-a-token")
     await page.get_by_test_id("login").click()
@@ -338,6 +352,9 @@ async def test_a_live_runs_screen_and_terminal_in_the_browser(
     await expect(page.get_by_test_id("screen-state")).to_have_attribute("data-state", "ended", timeout=60_000)
     await expect(page.get_by_test_id("open-shell")).to_be_hidden()
     await expect(page.get_by_test_id("terminal-state")).to_contain_text("the run's sandbox was released")
+    # xterm.js rendered under the strict policy: its <style> elements carried the page's nonce
+    assert await page.locator('[data-testid="terminal"] style').count() > 0
+    assert await csp_violations(page) == []
     await shot(page, "09-run-terminal-released")
     await page.close()
 
@@ -424,8 +441,39 @@ async def test_the_compare_page_shows_a_regression_against_the_baseline(pipeline
     await expect(page.get_by_test_id("pair-candidate")).to_contain_text("answer4")
     await expect(page.get_by_test_id("pair-candidate").locator('[data-badge="fail"]')).to_be_visible()
     await shot(page, "11-compare-side-by-side")
+    assert await csp_violations(page) == []
 
     # Against a base nobody can see, the page says why instead of comparing.
     await page.goto(f"{p.stack.gateway_url}/#/compare?candidate={buggy}&base=nope-{uuid.uuid4().hex[:6]}")
     await expect(page.get_by_test_id("compare-error")).to_contain_text("no batch")
     await page.close()
+
+
+async def test_the_page_mints_a_style_nonce_per_load_and_assets_revalidate(pipeline: Pipeline) -> None:
+    base = pipeline.stack.gateway_url
+    async with aiohttp.ClientSession() as http:
+        nonces = []
+        for _ in range(2):
+            async with http.get(f"{base}/") as resp:
+                assert resp.status == 200
+                policy = resp.headers["Content-Security-Policy"]
+                found = re.search(r"style-src 'self' 'nonce-([A-Za-z0-9_-]+)';", policy)
+                assert found is not None, policy
+                assert "unsafe-inline" not in policy
+                assert f'nonce="{found[1]}"' in await resp.text()
+                nonces.append(found[1])
+        assert nonces[0] != nonces[1]
+
+        async with http.get(f"{base}/ui/assets/xterm.js", headers={"Accept-Encoding": "gzip"}) as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Encoding"] == "gzip"
+            etag = resp.headers["ETag"]
+            assert "class" in await resp.text()  # decompressed by the client
+        async with http.get(f"{base}/ui/assets/xterm.js", headers={"If-None-Match": etag}) as resp:
+            assert resp.status == 304
+            assert await resp.read() == b""
+        async with http.get(f"{base}/ui/assets/app.js", headers={"If-None-Match": etag}) as resp:
+            assert resp.status == 200  # another asset, another digest
+        async with http.get(f"{base}/ui/assets/xterm.js.map") as resp:
+            assert resp.status == 404
+            assert (await resp.json())["error"]["field"] == "name"

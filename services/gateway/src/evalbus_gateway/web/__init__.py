@@ -15,6 +15,7 @@ response (and no other inline style); the page's script stamps the nonce on the 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 from importlib import resources
@@ -80,18 +81,22 @@ async def index(call: Call) -> web.StreamResponse:
 
 
 async def asset(call: Call) -> web.StreamResponse:
-    """GET /ui/assets/{name}."""
+    """GET /ui/assets/{name}: revalidated on every load (`no-cache`) against its digest, so an
+    unchanged asset (xterm.js is half a megabyte) is answered 304 without its body; compressed
+    when the client accepts it."""
     name = call.request.match_info.get("name", "")
     found = ASSETS.get(name)
     if found is None:
         raise ApiError(404, "not_found", f"no asset {name!r}", "name")
     path, content_type = found
-    return web.Response(
-        body=_asset(path),
-        content_type=content_type,
-        charset="utf-8",
-        headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"},
-    )
+    body = _asset(path)
+    etag = f'W/"{hashlib.sha256(body).hexdigest()[:32]}"'
+    headers = {"Cache-Control": "no-cache", "ETag": etag, "X-Content-Type-Options": "nosniff"}
+    if etag in (tag.strip() for tag in call.request.headers.get("If-None-Match", "").split(",")):
+        return web.Response(status=304, headers=headers)
+    response = web.Response(body=body, content_type=content_type, charset="utf-8", headers=headers)
+    response.enable_compression()
+    return response
 
 
 async def login(call: Call) -> web.StreamResponse:
@@ -150,7 +155,10 @@ ROUTES: tuple[Route, ...] = (
                 True,
             ),
         ),
-        responses={200: Body("The asset", content_type="text/plain", schema={"type": "string"})},
+        responses={
+            200: Body("The asset (its `ETag` a digest of it)", content_type="text/plain", schema={"type": "string"}),
+            304: Body("Unchanged: `If-None-Match` holds its `ETag`"),
+        },
     ),
     Route(
         ("POST",),

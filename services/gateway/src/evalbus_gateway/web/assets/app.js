@@ -491,7 +491,8 @@ function screenWidget(runId, live) {
 
   (async () => {
     do {
-      await capture().catch(() => stop());
+      // a tab nobody looks at takes no frames (each is a capture in the sandbox's browser)
+      if (!document.hidden || !shown) await capture().catch(() => stop());
       if (!live()) break;
       await pause(SCREEN_EVERY_MS);
     } while (active && live());
