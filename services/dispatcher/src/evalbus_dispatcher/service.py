@@ -284,6 +284,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         slots=settings.slots,
         root=None if settings.workdir_root is None else Path(settings.workdir_root),
         secrets=secrets,
+        adopt_orphans=True,
     )
     puller = PlatformTracePuller(secrets)
     cancels = Cancellations()

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from evalbus_contracts import CaseRequested, PromptSnapshot, RepoSnapshot, Snapshot
-from evalbus_dispatcher.backends import procfs
+from evalbus_dispatcher.backends import orphans, procfs
 from evalbus_dispatcher.backends.base import (
     Capacity,
     HarnessRun,
@@ -400,8 +400,13 @@ class LocalBackend:
         kill_grace_s: float = 2.0,
         drain_s: float = 2.0,
         output_cap_bytes: int = 16 * 1024 * 1024,
+        adopt_orphans: bool = False,
     ) -> None:
+        """`adopt_orphans`: make this process the child subreaper of its descendants, so the
+        daemons a harness forks are killed with its sandbox (`orphans`; the dispatcher service
+        turns it on — a process-wide setting, not for a library caller's process)."""
         source = os.environ if environ is None else environ
+        self._adopting = orphans.become_subreaper() if adopt_orphans else False
         self._slots = slots
         self._root = root
         self._secrets = secrets if secrets is not None else SecretStore(source)
@@ -493,6 +498,7 @@ class LocalBackend:
             drain_s=self._drain_s,
             cap=self._cap,
             workers=self.workers if job.harness.kind == "worker" else None,
+            adopting=self._adopting,
         )
 
     def _slot_freed(self) -> None:
@@ -516,8 +522,10 @@ class LocalSandbox:
         drain_s: float,
         cap: int,
         workers: WorkerPool | None = None,
+        adopting: bool = False,
     ) -> None:
         self._job = job
+        self._adopting = adopting
         self._workers = workers
         self._case_root = case_root
         self.workdir = workdir
@@ -733,6 +741,9 @@ class LocalSandbox:
         try:
             for pgid in self._groups:
                 _signal_group(pgid, signal.SIGKILL)
+            if self._adopting:  # the daemons it forked, re-parented to this process
+                ours = self._groups | (self._workers.pids() if self._workers is not None else set())
+                await asyncio.to_thread(orphans.kill_adopted, self._case_root, ours)
             await asyncio.to_thread(shutil.rmtree, self._case_root, ignore_errors=True)
             if self._case_root.exists():
                 raise BackendError(f"workdir {self._case_root} could not be deleted", code="release_failed")

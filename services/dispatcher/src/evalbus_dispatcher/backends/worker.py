@@ -340,6 +340,10 @@ class WorkerPool:
         """Workers alive now (serving or idle)."""
         return len(self._alive)
 
+    def pids(self) -> set[int]:
+        """Process ids of every worker alive (serving or idle)."""
+        return {w.pid for w in self._alive if w.pid}
+
     def idle_pids(self) -> list[int]:
         """Process ids of the idle workers."""
         return [w.pid for workers in self._idle.values() for w in workers]
