@@ -321,7 +321,7 @@ async def test_a_live_runs_screen_and_terminal_in_the_browser(
     await expect(page.get_by_test_id("screen-state")).to_have_attribute("data-state", "live", timeout=30_000)
     frame = page.get_by_test_id("screen")
     await expect(frame).to_be_visible()
-    assert await frame.evaluate("img => img.complete && img.naturalWidth") == 800
+    await expect(frame).to_have_js_property("naturalWidth", 800)  # decoded by the page
     src = await frame.get_attribute("src")
     assert src is not None
     assert src.startswith("data:image/png;base64,")
