@@ -4,12 +4,16 @@ table — test, load, faults injected, cases lost, cases duplicated, max stall, 
 It runs the crash module (`tests/test_pipeline_crash.py`: each of the dispatcher, judge, exporter
 and gateway SIGKILLed mid-message and, by a deterministic fault point, after its output's PubAck
 and before its ack; the dispatcher also after its fan-out), which writes its figures to a JSON
-report when `EVALBUS_RELIABILITY_REPORT` names one, and the online collector's crash tests
-(`tests/test_online_pipeline.py`, spans and sampling stages), then prints the table. The stall is
+report when `EVALBUS_RELIABILITY_REPORT` names one; nats-server SIGKILLed mid-batch and restarted
+(`tests/test_pipeline_nats_restart.py`, same report); the online collector's crash tests
+(`tests/test_online_pipeline.py`, spans and sampling stages); and the poison flood
+(`bench/poison.py`: 1,000 malformed messages on every consumed subject while a batch runs, every
+one dead-lettered by every consumer of its subject, the makespan within 1.10 x a clean run's),
+then prints the table. The stall is
 the time from the kill until every consumer is idle again (the held message redelivered after the
 services' `ACK_WAIT_S`, 10 s there, and done). Goals: 0 lost, 0 duplicated, every scenario passed.
 
-    .venv/bin/python bench/reliability.py [--check] [--json]
+    .venv/bin/python bench/reliability.py [--poison-per-subject 1000] [--check] [--json]
 
 The fast parts of the issue's suite run in CI as those tests; a soak is a separate recipe.
 """
@@ -33,6 +37,7 @@ from bench._report import report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ONLINE_CRASH = "tests/test_online_pipeline.py::test_collector_killed_mid_stream_loses_and_doubles_nothing"
+NATS_RESTART = "tests/test_pipeline_nats_restart.py"
 
 
 def run_pytest(target: str, env: dict[str, str]) -> tuple[int, float, str]:
@@ -50,9 +55,51 @@ def run_pytest(target: str, env: dict[str, str]) -> tuple[int, float, str]:
     return done.returncode, time.monotonic() - began, tail
 
 
+def poison_row(per_subject: int) -> dict[str, Any]:
+    """`bench/poison.py`: a batch under a flood of malformed messages on every consumed subject."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "poison.py"),
+            "--json",
+            "--repeats",
+            "2",
+            "--per-subject",
+            str(per_subject),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    try:
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {
+            "test": "poison flood",
+            "error": (done.stderr or done.stdout).strip()[-300:] or f"exit {done.returncode}",
+        }
+    flood = next(r for r in out["runs"] if r["mode"] == "flood")
+    want, got = flood["dead_letters_expected"], flood["dead_letters"]
+    expected_events = 4 * out["params"]["cases"] + 2
+    return {
+        "test": f"poison flood: makespan {out['ratio']:.3f} x clean (goal <= 1.10)",
+        "load": f"{out['params']['cases']} cases + {flood['poison_sent']} poison",
+        "faults": flood["poison_sent"],
+        "lost": max(0, expected_events - flood["batch_events_recorded"])
+        + sum(max(0, n - got.get(s, 0)) for s, n in want.items()),
+        "duplicated": sum(max(0, n - want.get(s, 0)) for s, n in got.items()),
+        "max_stall_s": None,
+        "passed": bool(out["ok"]),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    parser.add_argument(
+        "--poison-per-subject", type=int, default=1000, help="malformed messages per subject kind (bench/poison.py)"
+    )
     add_check_flag(parser)
     args = parser.parse_args()
 
@@ -61,6 +108,10 @@ def main() -> int:
         env = {**os.environ, "EVALBUS_RELIABILITY_REPORT": str(report_path)}
         crash_code, crash_s, crash_tail = run_pytest("tests/test_pipeline_crash.py", env)
         rows: list[dict[str, Any]] = json.loads(report_path.read_text()) if report_path.exists() else []
+        nats_path = Path(tmp) / "nats.json"
+        nats_code, nats_s, nats_tail = run_pytest(NATS_RESTART, {**env, "EVALBUS_RELIABILITY_REPORT": str(nats_path)})
+        nats_rows: list[dict[str, Any]] = json.loads(nats_path.read_text()) if nats_path.exists() else []
+    rows += nats_rows or [{"test": "SIGKILL nats-server (single node)", "error": nats_tail or f"exit {nats_code}"}]
     online_code, online_s, online_tail = run_pytest(ONLINE_CRASH, dict(os.environ))
     rows.append(
         {
@@ -73,6 +124,7 @@ def main() -> int:
             "passed": online_code == 0,
         }
     )
+    rows.append(poison_row(args.poison_per_subject))
     lost = sum(r.get("lost") or 0 for r in rows if r.get("lost") is not None)
     duplicated = sum(r.get("duplicated") or 0 for r in rows if r.get("duplicated") is not None)
     stalls = [float(r["max_stall_s"]) for r in rows if r.get("max_stall_s") is not None]
@@ -86,7 +138,7 @@ def main() -> int:
         "benchmark": "reliability",
         "rows": rows,
         "max_stall_s": max(stalls) if stalls else None,
-        "seconds": {"crash_module": crash_s, "online_crash": online_s},
+        "seconds": {"crash_module": crash_s, "nats_restart": nats_s, "online_crash": online_s},
         "goals": goals,
         "ok": all(g.passed for g in goals),
     }

@@ -7,6 +7,9 @@ every trajectory sealed — the same result as an undisturbed batch of the same 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,6 +21,9 @@ from evalbus.testing.pipeline import Pipeline, agent_harness, eventually, open_p
 from evalbus_contracts import AnswerMatchGrader, BatchSpec, CaseSpec, ContainsJudge, SuiteSpec, batch_run_id
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+REPORT_ENV = "EVALBUS_RELIABILITY_REPORT"
+"""When set, the test writes its figures there as JSON rows (`bench/reliability.py`)."""
 
 CASES = tuple(f"c{i:02d}" for i in range(1, 9))
 STAGES = ("case.requested", "case.executed", "case.judged", "case.exported")
@@ -77,13 +83,14 @@ async def test_a_batch_survives_nats_server_being_killed_and_restarted_mid_batch
     # both compute slots hold an agent at the gate, the rest of the batch is queued on the bus
     await eventually(lambda: len(started(root, "kill")) == 2, timeout_s=60, what="two agents at the gate")
     old = p.nats
+    killed_at = time.monotonic()
     old.kill()
     assert old.process.poll() is not None
     p.nats = await asyncio.to_thread(start_nats, old.data_dir, old.port, name=old.name, monitor_port=old.monitor_port)
     (root / "kill.gate").touch()
     view = await p.finalized(batch, timeout_s=180)
     await p.quiescent(timeout_s=120)
-    assert view.status == "succeeded", view
+    stall_s = time.monotonic() - killed_at
     runs = {batch_run_id(batch, c) for c in CASES}
     want: Counter[tuple[str | None, str]] = Counter({(r, s): 1 for r in runs for s in STAGES})
     want[(None, "batch.requested")] = 1
@@ -95,7 +102,6 @@ async def test_a_batch_survives_nats_server_being_killed_and_restarted_mid_batch
             if k in {*STAGES, "batch.requested", "batch.finalized"}
         }
     )
-    assert stream == want, f"CASES per (run, type): {stream - want} extra, {want - stream} missing"
     store = Counter(
         {
             (r if r in runs else None, k): n
@@ -103,6 +109,14 @@ async def test_a_batch_survives_nats_server_being_killed_and_restarted_mid_batch
             if k in {*STAGES, "batch.requested", "batch.finalized"}
         }
     )
+    report_row(
+        lost=sum((want - store).values()),
+        duplicated=sum((store - want).values()) + sum((stream - want).values()),
+        stall_s=stall_s,
+        passed=view.status == "succeeded" and store == want and stream == want,
+    )
+    assert view.status == "succeeded", view
+    assert stream == want, f"CASES per (run, type): {stream - want} extra, {want - stream} missing"
     assert store == want, f"event store per (run, type): {store - want} extra, {want - store} missing"
     assert await p.rejections(batch) == []
     verified = await p.verify(batch)
@@ -115,3 +129,21 @@ async def test_a_batch_survives_nats_server_being_killed_and_restarted_mid_batch
         m.metric: m.mean for m in calm.summary.metrics if m.metric in {"answer_match", "judge:names-itself"}
     }
     assert passed == {"answer_match": 1.0, "judge:names-itself": 1.0}
+
+
+def report_row(*, lost: int, duplicated: int, stall_s: float, passed: bool) -> None:
+    """The scenario's row for `bench/reliability.py` (stall: the kill → every consumer idle)."""
+    target = os.environ.get(REPORT_ENV)
+    if not target:
+        return
+    row = {
+        "test": "SIGKILL nats-server (single node), restarted on the same data",
+        "load": f"{len(CASES)} cases, 2 running",
+        "faults": 1,
+        "lost": lost,
+        "duplicated": duplicated,
+        "max_stall_s": round(stall_s, 2),
+        "passed": passed,
+    }
+    with open(target, "w") as f:
+        json.dump([row], f)
