@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from evalbus.testing.chat_server import ChatCompletionsServer
 from evalbus.testing.stack import ServiceStack
 from evalbus_contracts import encode
 
@@ -196,3 +197,44 @@ async def test_run_against_no_gateway_exits_1(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert "unreachable" in done.stderr
     assert done.stdout == ""
+
+
+async def test_the_model_judges_cost_is_accounted_beside_the_agents(stack: ServiceStack, tmp_path: Path) -> None:
+    """The example's model judge pointed at the local chat server (10 + 5 tokens a call) with a
+    price of $100 per million tokens: the batch summary's `judge_usage` (`GET /v1/batches/{id}`)
+    holds 3 calls, 30 + 15 tokens and $0.0045, each judge score its own usage, and the scorecard
+    prints it beside the agent's own cost."""
+    provider = ChatCompletionsServer()
+    await provider.start()
+    try:
+        suite = small_suite(tmp_path / "suite")
+        doc = yaml.safe_load(suite.read_text())
+        [rubric] = [j for j in doc["judges"] if j["kind"] == "model"]
+        rubric.pop("api_key_secret")  # the local server takes no key (a key would go to an untrusted URL)
+        rubric.update(base_url=f"{provider.root}/v1", price={"input_per_mtok": 100.0, "output_per_mtok": 100.0})
+        suite.write_text(yaml.safe_dump(doc, sort_keys=False))
+        done = await evalbus(stack, "run", str(suite), cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.splitlines()
+        batch_id = lines[0].split()[1].rstrip(":")
+        assert len(provider.requests) == 3, done.stdout
+        async with stack.client() as gw:
+            view, runs = await gw.get(batch_id), await gw.all_cases(batch_id)
+        assert view.summary is not None
+        usage = view.summary.judge_usage
+        assert usage is not None
+        assert (usage.calls, usage.input_tokens, usage.output_tokens, usage.unpriced_calls) == (3, 30, 15, 0)
+        assert usage.cost_usd == pytest.approx(0.0045)
+        for run in runs:
+            [score] = [s for s in run.scores if s.metric == "judge:rubric"]
+            assert score.usage is not None
+            assert (score.usage.input_tokens, score.usage.output_tokens, score.usage.cost_source) == (10, 5, "price")
+        agent_cost = next(m for m in view.summary.metrics if m.metric == "cost_usd")
+        assert agent_cost.mean is not None
+        [cost] = [line for line in lines if line.startswith("cost ")]
+        assert cost.startswith("cost      agent $")
+        assert cost.endswith("(cost_usd over 3 runs)  judges $0.0045 (3 model calls, 30 in / 15 out tokens)")
+        shown = float(cost.removeprefix("cost      agent $").split()[0])
+        assert shown == pytest.approx(agent_cost.mean * agent_cost.count, rel=0.01)  # the agent's total, 3 digits
+    finally:
+        await provider.stop()

@@ -584,6 +584,13 @@ async def test_a_daily_budget_stops_model_judges_and_spares_rule_judges(pipeline
             assert status == 200
             counts = {(c["fate"], c["reason"]): c["count"] for c in body["counts"]}
             assert counts[("skipped", "over_budget")] == len(over)
+            # what its model judges cost, per window, from the judged scores
+            status, detail = await api(p, "GET", f"/v1/online/suites/{suite_id}")
+            assert status == 200, detail
+            usage = {w["window"]: w["usage"] for w in detail["judge_usage"]}
+            assert set(usage) == {"hour", "day", "week"}
+            assert usage["day"].pop("cost_usd") == pytest.approx(3 * 0.0015)
+            assert usage["day"] == {"calls": 3, "input_tokens": 30, "output_tokens": 15}
         assert len(provider.requests) == 6  # three per suite, none over a budget
 
         async with (

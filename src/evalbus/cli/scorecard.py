@@ -10,6 +10,7 @@ intervals existed are shown without).
     judge:rubric      0  -      -                    -  -           unsupported 30
 
     verdicts  24 passed, 6 failed, 0 without a verdict (pass rate 80.0%, 95% CI 62.7–90.5%)
+    cost      agent $0.000369 (cost_usd over 30 runs)  judges $0.0450 (30 model calls, 12000 in / 600 out tokens)
     export    succeeded: 30 exported, 0 failed  file:///…/exports/b1a2b3c4d5e6f.jsonl
 
     failed cases (6 of 30)
@@ -22,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from evalbus_contracts import BatchSummary, Interval, TrialSummary, to_builtins
+from evalbus_contracts import BatchSummary, Interval, JudgeUsageSummary, TrialSummary, to_builtins
 from evalbus_gateway.store.queries import BatchView, RunView
 
 MAX_FAILED_SHOWN = 10
@@ -129,6 +130,37 @@ def trial_lines(trials: TrialSummary) -> list[str]:
     return lines
 
 
+AGENT_COST_METRIC = "cost_usd"
+"""The agent's own cost (the `cost` grader's metric), shown beside what its judges cost."""
+
+
+def dollars(value: float) -> str:
+    """An amount of US dollars: 4 decimals, or 3 significant digits below a cent (agents' and
+    judges' costs are often fractions of one)."""
+    return f"${value:.3g}" if 0 < value < 0.01 else f"${value:.4f}"
+
+
+def judges_cost(usage: JudgeUsageSummary) -> str:
+    """What the model judges cost: dollars (of the calls whose cost is known), calls and tokens."""
+    calls = f"{usage.calls} model call{'s' if usage.calls != 1 else ''}"
+    tokens = f"{usage.input_tokens} in / {usage.output_tokens} out tokens"
+    if usage.cost_usd is None:
+        return f"judges cost unmeasured (no price; {calls}, {tokens})"
+    unpriced = f", {usage.unpriced_calls} without a price" if usage.unpriced_calls else ""
+    return f"judges {dollars(usage.cost_usd)} ({calls}{unpriced}, {tokens})"
+
+
+def cost_line(summary: BatchSummary) -> str | None:
+    """The agent's cost (its `cost_usd` total, when measured) beside the model judges'; None when neither is known."""
+    agent = next((m for m in summary.metrics if m.metric == AGENT_COST_METRIC and m.mean is not None), None)
+    parts = []
+    if agent is not None and agent.mean is not None:
+        parts.append(f"agent {dollars(agent.mean * agent.count)} ({AGENT_COST_METRIC} over {agent.count} runs)")
+    if summary.judge_usage is not None:
+        parts.append(judges_cost(summary.judge_usage))
+    return ("cost      " + "  ".join(parts)) if parts else None
+
+
 def export_url(view: BatchView, runs: Sequence[RunView]) -> str | None:
     """The batch's link on its sink: the export summary's, else the one URL every run shares."""
     if view.export is not None and view.export.url:
@@ -187,6 +219,9 @@ def render_scorecard(view: BatchView, runs: Sequence[RunView], expected: Mapping
     lines.append(f"verdicts  {v.passed} passed, {v.failed} failed, {v.no_verdict} without a verdict{rate}")
     if summary.trials is not None:
         lines += trial_lines(summary.trials)
+    cost = cost_line(summary)
+    if cost is not None:
+        lines.append(cost)
     export = view.export
     if export is not None:
         text = f"export    {export.status}"

@@ -10,6 +10,10 @@ estimator is reported for every k up to the trial count. Every mean and rate car
 interval (`evalbus_grading.stats`: Wilson for proportions, a seeded bootstrap otherwise), and the
 cases that both passed and failed across their trials are listed as flaky.
 
+`judge_usage` adds up the tokens and cost of the model-judge calls behind the runs' judge scores
+(each score carries its own `usage`), apart from the agent's own cost metrics; a call of unknown
+cost is counted as `unpriced_calls`, never as 0.
+
 `build_finalized` turns all of it into the `batch.finalized` event; the store's
 `finalize_batch` reads the runs and calls it.
 """
@@ -32,6 +36,7 @@ from evalbus_contracts import (
     ExportSummary,
     Interval,
     Invalid,
+    JudgeUsageSummary,
     Measured,
     MetricSummary,
     PassAtK,
@@ -252,6 +257,29 @@ def summarize(runs: Sequence[RunOutcome], *, trials: int | None = None) -> Batch
         verdicts=verdict_summary(verdicts),
         trials=trial_summary(runs, verdicts, k) if k > 1 else None,
         counts=stage_counts(runs),
+        judge_usage=judge_usage(score for run in runs for score in run.scores),
+    )
+
+
+def judge_usage(scores: Iterable[Score]) -> JudgeUsageSummary | None:
+    """Tokens and cost of the model calls behind judge scores (None: no score carries usage)."""
+    calls = unpriced = input_tokens = output_tokens = 0
+    cost: float | None = None
+    for score in scores:
+        usage = score.usage
+        if usage is None or score.source != "judge":
+            continue
+        calls += usage.calls
+        input_tokens += usage.input_tokens or 0
+        output_tokens += usage.output_tokens or 0
+        if usage.cost_usd is None:
+            unpriced += usage.calls
+        else:
+            cost = (cost or 0.0) + usage.cost_usd
+    if calls == 0:
+        return None
+    return JudgeUsageSummary(
+        calls=calls, input_tokens=input_tokens, output_tokens=output_tokens, cost_usd=cost, unpriced_calls=unpriced
     )
 
 

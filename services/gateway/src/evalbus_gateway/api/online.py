@@ -43,10 +43,12 @@ from evalbus_gateway.store.online import (
     JudgedObservation,
     MetricWindow,
     SeriesPoint,
+    UsageWindow,
     fate_counts,
     observation_fates,
     recent_judged,
     suite_series,
+    suite_usage,
     suite_windows,
 )
 from evalbus_runtime.follow import read_last
@@ -88,6 +90,8 @@ class OnlineSuiteDetail(msgspec.Struct, frozen=True, kw_only=True):
     """Observations per fate and reason."""
     recent: list[JudgedObservation]
     """The most recently judged observations, newest first."""
+    judge_usage: list[UsageWindow] = msgspec.field(default_factory=list)
+    """What its model judges cost per window (hour, day, week) with a call: calls, tokens, dollars."""
 
 
 class OnlineStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -196,6 +200,7 @@ async def get_suite(call: Call) -> web.StreamResponse:
             series=await suite_series(pool, suite_id),
             fates=await fate_counts(pool, suite_id),
             recent=await recent_judged(pool, suite_id),
+            judge_usage=await suite_usage(pool, suite_id),
         )
     )
 

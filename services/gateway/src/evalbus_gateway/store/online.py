@@ -2,7 +2,8 @@
 
 Fates come from the `online_fates` read model; a suite's scores from the `runs` rows of its
 pseudo-batch `online-<suite>` (one per judged observation), windowed on `judged_at`, which is the
-`case.judged` event's own timestamp.
+`case.judged` event's own timestamp. What its model judges cost is summed from the same scores'
+`usage` (a model-only observation skipped over budget has no run and cost nothing).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from evalbus_contracts import Score
+from evalbus_contracts import JudgeUsageSummary, Score
 from evalbus_gateway.store.connections import acquire
 from evalbus_gateway.store.projection import ONLINE_BATCH_PREFIX
 
@@ -68,6 +69,15 @@ class MetricWindow(msgspec.Struct, frozen=True, kw_only=True):
     """Their mean."""
     pass_rate: float | None
     """Passed ÷ scores with a pass/fail (None: none has one)."""
+
+
+class UsageWindow(msgspec.Struct, frozen=True, kw_only=True):
+    """What the suite's model judges cost over one rolling window."""
+
+    window: str
+    """hour, day or week."""
+    usage: JudgeUsageSummary
+    """Calls, tokens and dollars (of the calls whose cost is known)."""
 
 
 class SeriesPoint(msgspec.Struct, frozen=True, kw_only=True):
@@ -144,6 +154,16 @@ ORDER BY judged_at DESC NULLS LAST, run_id
 LIMIT $2
 """
 
+_USAGE = """
+SELECT coalesce(sum(coalesce((u->>'calls')::bigint, 1)), 0) AS calls,
+       coalesce(sum((u->>'input_tokens')::bigint), 0) AS input_tokens,
+       coalesce(sum((u->>'output_tokens')::bigint), 0) AS output_tokens,
+       sum((u->>'cost_usd')::double precision) AS cost_usd,
+       coalesce(sum(coalesce((u->>'calls')::bigint, 1)) FILTER (WHERE NOT u ? 'cost_usd'), 0) AS unpriced
+FROM runs r, jsonb_array_elements(coalesce(r.scores, '[]'::jsonb)) AS s(value), LATERAL (SELECT s.value->'usage') AS x(u)
+WHERE r.batch_id = $1 AND r.judged_at >= now() - $2::interval AND s.value->>'source' = 'judge' AND u IS NOT NULL
+"""
+
 _SCORES = msgspec.json.Decoder(list[Score])
 
 
@@ -191,6 +211,25 @@ async def suite_windows(db: Database, suite_id: str) -> list[MetricWindow]:
                         pass_rate=int(r["passed"]) / with_pass if with_pass else None,
                     )
                 )
+    return out
+
+
+async def suite_usage(db: Database, suite_id: str) -> list[UsageWindow]:
+    """Per rolling window with a model-judge call: the suite's judge calls, tokens and cost."""
+    out: list[UsageWindow] = []
+    async with acquire(db) as conn:
+        for window, interval in WINDOWS:
+            r = await conn.fetchrow(_USAGE, ONLINE_BATCH_PREFIX + suite_id, interval)
+            if r is None or not r["calls"]:
+                continue
+            usage = JudgeUsageSummary(
+                calls=int(r["calls"]),
+                input_tokens=int(r["input_tokens"]),
+                output_tokens=int(r["output_tokens"]),
+                cost_usd=None if r["cost_usd"] is None else float(r["cost_usd"]),
+                unpriced_calls=int(r["unpriced"]),
+            )
+            out.append(UsageWindow(window=window, usage=usage))
     return out
 
 
