@@ -51,6 +51,7 @@ def _with(base: dict[str, int], status: int) -> dict[str, int]:
 
 EXPECTED: dict[str, dict[str, int]] = {
     "POST /v1/batches": _with(_MEMBERS, 202),
+    "POST /v1/datasets": _with(_MEMBERS, 201),
     "GET /v1/batches": _MEMBERS,
     "GET /v1/batches/{batch_id}": _CREATOR,
     "GET /v1/batches/{batch_id}/cases": _CREATOR,
@@ -224,6 +225,8 @@ def ask(key: str, world: World, who: str) -> Ask:
     match key:
         case "POST /v1/batches":
             return Ask(path, body=to_builtins(batch_spec(("c1",))))
+        case "POST /v1/datasets":
+            return Ask(path, body={"id": "c1", "input": "one JSONL line"})
         case "POST /v1/batches/{batch_id}/cancel":
             return Ask(f"/v1/batches/{world.open.batch_id}/cancel", body={})
         case "POST /v1/batches/{batch_id}/rejudge":

@@ -31,6 +31,7 @@ import msgspec
 import pytest
 import requests
 import schemathesis
+from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
 from evalbus.infra.postgres import create_database, drop_database
@@ -175,6 +176,14 @@ def _config() -> schemathesis.Config:
         }
     )
 
+
+_JSONL = st.lists(
+    st.dictionaries(st.sampled_from(["id", "input", "expected", "graders", "tags", "inputs"]), st.text(max_size=8))
+    | st.text(max_size=20),
+    max_size=4,
+).map(lambda rows: b"\n".join(msgspec.json.encode(r) for r in rows))
+schemathesis.openapi.media_type("application/x-ndjson", _JSONL | st.binary(max_size=200))
+"""Dataset uploads (`POST /v1/datasets`): JSONL rows near a case's shape, and arbitrary bytes."""
 
 DOCUMENT: dict[str, Any] = msgspec.json.decode(msgspec.json.encode(build_openapi(ROUTES)))
 """The document `/openapi.json` serves (generated from the same route table; a test checks)."""

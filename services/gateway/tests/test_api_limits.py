@@ -75,6 +75,7 @@ async def world(gw_nats: str, pg_admin_url: str) -> AsyncIterator[World]:
                 url,
                 tokens={ALICE: member("alice"), BOB: member("bob")},
                 max_request_bytes=LIMIT,
+                max_dataset_bytes=LIMIT,
                 sse_max_per_principal=STREAMS,
                 exec_per_run_per_minute=EXECS,
                 sse_heartbeat_s=0.2,

@@ -30,6 +30,7 @@ from evalbus_contracts import (
     DecodeError,
     Event,
     decode,
+    suite_case_count,
 )
 from evalbus_gateway.api.models import StreamEnd
 from evalbus_gateway.client import END_EVENT, SseEvent
@@ -98,7 +99,7 @@ class BatchProgress:
         """Fold one event of the batch."""
         self.events += 1
         if isinstance(event, BatchRequested):
-            self.total = len({c.id for c in event.spec.suite.cases}) * max(1, event.spec.policy.trials)
+            self.total = suite_case_count(event.spec.suite) * max(1, event.spec.policy.trials)
             self.rejudge_of = event.rejudge_of
             for case in event.spec.suite.cases:
                 self.expected.setdefault(case.id, case.expected)
@@ -107,6 +108,8 @@ class BatchProgress:
         elif isinstance(event, BatchFinalized):
             self.finalized = event
         elif isinstance(event, CaseRequested | CaseExported):
+            if isinstance(event, CaseRequested):  # a dataset batch's cases are known from here on
+                self.expected.setdefault(event.case.id, event.case.expected)
             self._reached(event, event.run_id)
             if isinstance(event, CaseRequested):
                 self.expected.setdefault(event.case.id, event.case.expected)

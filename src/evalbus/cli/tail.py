@@ -34,6 +34,7 @@ from evalbus_contracts import (
     CaseRequested,
     DecodeError,
     Event,
+    suite_case_count,
 )
 from evalbus_gateway.client import END_EVENT, ApiRequestError, GatewayClient, SseEvent
 
@@ -57,7 +58,7 @@ def event_status(event: Event) -> str:
     """What the status column says about an event."""
     match event:
         case BatchRequested():
-            runs = len({c.id for c in event.spec.suite.cases}) * max(1, event.spec.policy.trials)
+            runs = suite_case_count(event.spec.suite) * max(1, event.spec.policy.trials)
             text = f"{runs} runs by {event.submitted_by}"
             return text + (f", re-judging {event.rejudge_of}" if event.rejudge_of else "")
         case BatchCancelled():

@@ -65,7 +65,8 @@ def _meta_subject(bucket: str, name: str) -> str:
     return _META.format(bucket=bucket, name=base64.urlsafe_b64encode(name.encode()).decode())
 
 
-def _nats_digest(hex_digest: str) -> str:
+def nats_digest(hex_digest: str) -> str:
+    """A hex SHA-256 as the object meta writes it (`SHA-256=<base64url>`)."""
     return _DIGEST_PREFIX + base64.urlsafe_b64encode(bytes.fromhex(hex_digest)).decode()
 
 
@@ -113,9 +114,11 @@ async def put_object(
     headers: Mapping[str, str] | None = None,
 ) -> ObjectRef:
     """Write `data` (bytes, or blocks of any size as they arrive) as object `name` of `bucket` in
-    chunks of `bucket.chunk_size`; its reference once the meta message is acknowledged. An object
-    already of that name is replaced (its old chunks purged afterwards). On failure the chunks
-    written so far are purged and the error propagates."""
+    chunks of `bucket.chunk_size`; its reference once the meta message is acknowledged. `headers`
+    go in the meta and are read only after the last block, so a writer may add what it learned from
+    the data. An object already of that name is replaced (its old chunks purged afterwards). On
+    failure — a block source that raises included — the chunks written so far are purged and the
+    error propagates."""
     blocks = _one(data) if isinstance(data, bytes) else data
     stream = _stream(bucket.bucket)
     previous: jsapi.ObjectInfo | None = None
@@ -141,7 +144,7 @@ async def put_object(
             nuid=nuid,
             size=size,
             chunks=chunks,
-            digest=_nats_digest(ref.sha256),
+            digest=nats_digest(ref.sha256),
             mtime=datetime.now(UTC).isoformat(),
             headers=dict(headers) if headers else None,
             options=jsapi.ObjectMetaOptions(max_chunk_size=bucket.chunk_size),

@@ -46,7 +46,7 @@ from evalbus_dispatcher.backends.local import LocalBackend, sweep_orphans
 from evalbus_dispatcher.cancellation import cancelled_execution
 from evalbus_dispatcher.control import LiveControls
 from evalbus_dispatcher.execute import Queued, execute_case, run_id_of
-from evalbus_dispatcher.fanout import fan_out
+from evalbus_dispatcher.fanout import fan_out_batch
 from evalbus_dispatcher.placement import SAMPLE_INTERVAL_S
 from evalbus_dispatcher.presence import STATUS_INTERVAL_S, Presence, default_replica_id
 from evalbus_dispatcher.retry import next_attempt, should_retry
@@ -315,7 +315,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         if event.rejudge_of is not None:
             return []  # a re-judge replays executed cases; nothing runs again
         try:
-            return fan_out(event)
+            return await fan_out_batch(service.js, event)
         except ValueError as e:
             raise Poison(f"batch.requested cannot be fanned out: {e}") from e
 

@@ -21,6 +21,9 @@ class GatewaySettings(ServiceSettings):
     """JSON file mapping token → `{"principal": ..., "role": "admin" | "member"}`."""
     max_request_bytes: int = 1024 * 1024
     """Largest request body accepted (413 above)."""
+    max_dataset_bytes: int = 1024 * 1024 * 1024
+    """Largest dataset `POST /v1/datasets` accepts (413 above); it streams into the object store,
+    never held whole in memory."""
     page_size: int = 100
     """Default page size of list endpoints."""
     max_page_size: int = 1000

@@ -15,7 +15,15 @@ import msgspec
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from evalbus_contracts import BatchFinalized, BatchRequested, DecodeError, StageCounts, decode_event, subjects
+from evalbus_contracts import (
+    BatchFinalized,
+    BatchRequested,
+    DecodeError,
+    StageCounts,
+    decode_event,
+    subjects,
+    suite_case_count,
+)
 from evalbus_contracts.streams import CASES
 from evalbus_gateway.store import get_batch
 from evalbus_gateway.store.connections import acquire
@@ -86,7 +94,7 @@ def queued_view(event: BatchRequested) -> BatchView:
         batch_id=batch_id,
         status="queued",
         counts=StageCounts(),
-        total_runs=len({c.id for c in event.spec.suite.cases}) * trials,
+        total_runs=suite_case_count(event.spec.suite) * trials,
         suite_id=event.spec.suite.id,
         submitted_by=event.submitted_by,
         supersede_key=event.spec.supersede_key,

@@ -38,6 +38,7 @@ from evalbus_contracts import (
     batch_run_id,
     decode_event,
     encode,
+    suite_case_count,
 )
 from evalbus_contracts.events import EventBase
 from evalbus_gateway.api.errors import ApiError, not_found
@@ -126,7 +127,7 @@ def rejudge_events(
             executed.setdefault(run_id, event)
         else:
             collected.setdefault(run_id, event)
-    expected = len({c.id for c in spec.suite.cases}) * max(1, spec.policy.trials)
+    expected = suite_case_count(spec.suite) * max(1, spec.policy.trials)
     if len(executed) != expected:
         raise RejudgeError(f"the event store holds {len(executed)} executed runs of the {expected} the batch has")
     cases = [

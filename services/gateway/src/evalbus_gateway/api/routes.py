@@ -18,11 +18,13 @@ import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from evalbus_contracts import BatchCancelled, BatchRequested, BatchSpec, encode
+from evalbus_contracts import BatchCancelled, BatchRequested, BatchSpec, encode, suite_case_count
 from evalbus_gateway.api.access import visible_batch, visible_run
 from evalbus_gateway.api.actions import ROUTES as ACTION_ROUTES
 from evalbus_gateway.api.auth import Principal, authenticate, require_admin
 from evalbus_gateway.api.compare import ROUTES as COMPARE_ROUTES
+from evalbus_gateway.api.datasets import ROUTES as DATASET_ROUTES
+from evalbus_gateway.api.datasets import with_dataset_index
 from evalbus_gateway.api.errors import ApiError, error_middleware, not_found
 from evalbus_gateway.api.live import ROUTES as LIVE_ROUTES
 from evalbus_gateway.api.live import live_trace_link
@@ -143,6 +145,7 @@ async def submit_batch(call: Call) -> web.StreamResponse:
     state = call.state
     spec = await read_json(call.request, BatchSpec, state.settings.max_request_bytes)
     check_batch_spec(spec)
+    spec = msgspec.structs.replace(spec, suite=await with_dataset_index(call, spec.suite))
     key = _idempotency_key(call.request)
     batch_id = idempotent_batch_id(call.user.name, key) if key else new_batch_id()
     event = BatchRequested(batch_id=batch_id, spec=spec, submitted_by=call.user.name)
@@ -150,11 +153,15 @@ async def submit_batch(call: Call) -> web.StreamResponse:
     max_payload = int(getattr(state.nc, "max_payload", 0) or 0)
     if max_payload and size > max_payload:
         raise ApiError(
-            413, "payload_too_large", f"the batch is {size} bytes, more than the bus accepts ({max_payload})", "$"
+            413,
+            "payload_too_large",
+            f"the batch is {size} bytes, more than the bus accepts ({max_payload}): upload the cases "
+            "(POST /v1/datasets) and name them in suite.dataset_ref",
+            "$.suite.cases",
         )
     await state.publisher.publish_event(event)
     superseded = await _supersede(call, spec, batch_id)
-    log.info("batch %s requested by %s (%d cases)", batch_id, call.user.name, len(spec.suite.cases))
+    log.info("batch %s requested by %s (%d cases)", batch_id, call.user.name, suite_case_count(spec.suite))
     body = BatchAccepted(batch_id=batch_id, links=links(batch_id), superseded=superseded)
     return json_response(body, status=202, headers={"Location": body.links.self_})
 
@@ -415,6 +422,7 @@ ROUTES: tuple[Route, ...] = (
     ),
     *LIVE_ROUTES,
     *COMPARE_ROUTES,
+    *DATASET_ROUTES,
     *PLACEMENT_ROUTES,
     *ACTION_ROUTES,
     *ONLINE_ROUTES,

@@ -22,11 +22,22 @@ from typing import TypeVar
 import msgspec
 from aiohttp import web
 
-from evalbus_contracts import BatchSpec, CommandGrader, JudgeSpec, RegexJudge, TextMetricGrader, decode
+from evalbus_contracts import (
+    BatchSpec,
+    CaseSpec,
+    CommandGrader,
+    DatasetIndex,
+    JudgeSpec,
+    RegexJudge,
+    TextMetricGrader,
+    decode,
+)
 from evalbus_contracts.specs import harness_problems
+from evalbus_contracts.streams import DATASETS
 from evalbus_contracts.strict import StrictProblem, strict_problems
 from evalbus_gateway.api.errors import ApiError, invalid
 from evalbus_grading.gates import gate_problems
+from evalbus_grading.verdict import objective_metrics_of
 
 T = TypeVar("T")
 
@@ -168,33 +179,44 @@ def judges_problems(judges: Sequence[JudgeSpec], at: str) -> list[SpecProblem]:
     return [p for p in out if p is not None]
 
 
+def case_problems(case: CaseSpec, at: str, seen_cases: set[str]) -> list[SpecProblem]:
+    """Every rule one case breaks, its fields named under `at`; `seen_cases` holds the ids of the
+    cases before it (this one's is added)."""
+    out: list[SpecProblem | None] = [_id_problem(case.id, f"{at}.id", "case id")]
+    if case.id in seen_cases:
+        out.append(SpecProblem(f"{at}.id", f"duplicate case id {case.id!r}"))
+    seen_cases.add(case.id)
+    if case.timeout_s is not None and case.timeout_s <= 0:
+        out.append(SpecProblem(f"{at}.timeout_s", "must be greater than 0"))
+    seen_graders: set[str] = set()
+    for j, grader in enumerate(case.graders):
+        g_at = f"{at}.graders[{j}]"
+        out.append(_id_problem(grader.id, f"{g_at}.id", "grader id"))
+        if grader.id in seen_graders:
+            out.append(SpecProblem(f"{g_at}.id", f"duplicate grader id {grader.id!r} in case {case.id!r}"))
+        seen_graders.add(grader.id)
+        if isinstance(grader, CommandGrader) and grader.pass_pattern is not None:
+            out.append(_regex_problem(grader.pass_pattern, f"{g_at}.pass_pattern"))
+        if isinstance(grader, TextMetricGrader):
+            out.append(_regex_problem(grader.pattern, f"{g_at}.pattern", groups=1))
+    return [p for p in out if p is not None]
+
+
 def batch_spec_problems(spec: BatchSpec) -> list[SpecProblem]:
     """Every rule `spec` breaks, in document order (empty: valid)."""
     out: list[SpecProblem | None] = []
     suite = spec.suite
     out.append(_id_problem(suite.id, "$.suite.id", "suite id"))
-    if not suite.cases:
+    if suite.dataset_ref is not None:
+        if suite.cases:
+            out.append(SpecProblem("$.suite.cases", "give the cases inline or as suite.dataset_ref, not both"))
+        if suite.dataset_ref.bucket != DATASETS.bucket:
+            out.append(SpecProblem("$.suite.dataset_ref.bucket", f"datasets are uploaded to {DATASETS.bucket!r}"))
+    elif not suite.cases:
         out.append(SpecProblem("$.suite.cases", "a batch needs at least one case"))
     seen_cases: set[str] = set()
     for i, case in enumerate(suite.cases):
-        at = f"$.suite.cases[{i}]"
-        out.append(_id_problem(case.id, f"{at}.id", "case id"))
-        if case.id in seen_cases:
-            out.append(SpecProblem(f"{at}.id", f"duplicate case id {case.id!r}"))
-        seen_cases.add(case.id)
-        if case.timeout_s is not None and case.timeout_s <= 0:
-            out.append(SpecProblem(f"{at}.timeout_s", "must be greater than 0"))
-        seen_graders: set[str] = set()
-        for j, grader in enumerate(case.graders):
-            g_at = f"{at}.graders[{j}]"
-            out.append(_id_problem(grader.id, f"{g_at}.id", "grader id"))
-            if grader.id in seen_graders:
-                out.append(SpecProblem(f"{g_at}.id", f"duplicate grader id {grader.id!r} in case {case.id!r}"))
-            seen_graders.add(grader.id)
-            if isinstance(grader, CommandGrader) and grader.pass_pattern is not None:
-                out.append(_regex_problem(grader.pass_pattern, f"{g_at}.pass_pattern"))
-            if isinstance(grader, TextMetricGrader):
-                out.append(_regex_problem(grader.pattern, f"{g_at}.pattern", groups=1))
+        out.extend(case_problems(case, f"$.suite.cases[{i}]", seen_cases))
     harness = spec.harness
     out.append(_id_problem(harness.id, "$.harness.id", "harness id"))
     out.extend(SpecProblem(field, message) for field, message in harness_problems(harness))
@@ -216,6 +238,84 @@ def batch_spec_problems(spec: BatchSpec) -> list[SpecProblem]:
         out.append(_id_problem(spec.supersede_key, "$.supersede_key", "supersede key"))
     out.extend(SpecProblem(field, message) for field, message in gate_problems(spec.gates, "$.gates"))
     return [p for p in out if p is not None]
+
+
+MAX_DATASET_PROBLEMS = 20
+"""Problems of an uploaded dataset listed in its 400 (then how many more there are)."""
+MAX_OBJECTIVE_METRICS = 256
+"""Distinct objective metric names a dataset may use (they ride in every `batch.requested`)."""
+
+
+class DatasetChecker:
+    """Reads an uploaded dataset — JSONL, one `CaseSpec` per line, blank lines skipped — as it
+    arrives, however the chunks cut its lines, and checks every case strictly (unknown keys with the
+    nearest known one, then the case rules of inline cases), naming each problem by its line. Pure:
+    bytes in, problems and the dataset's `DatasetIndex` out."""
+
+    def __init__(self) -> None:
+        self.problems: list[SpecProblem] = []
+        self.total_problems = 0
+        self.lines = 0
+        self._seen: set[str] = set()
+        self._objective: set[str] = set()
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> None:
+        """Check the lines `chunk` completes."""
+        lines = (self._tail + chunk).split(b"\n")
+        self._tail = lines.pop()
+        for line in lines:
+            self._row(line)
+
+    def _problem(self, field: str, message: str) -> None:
+        self.total_problems += 1
+        if len(self.problems) < MAX_DATASET_PROBLEMS:
+            at = f"line {self.lines}" + ("" if field == "$" else f", {field}")
+            self.problems.append(SpecProblem(at, f"{at}: {message}"))
+
+    def _row(self, line: bytes) -> None:
+        self.lines += 1
+        if not line.strip():
+            return
+        try:
+            raw = _plain.decode(line)
+        except msgspec.DecodeError as e:
+            self._problem("$", f"not valid JSON: {e}")
+            return
+        except RecursionError:
+            self._problem("$", "nested too deeply")
+            return
+        unknown = strict_problems(raw, CaseSpec)
+        for problem in unknown:
+            self._problem(problem.field, problem.message)
+        if unknown:
+            return
+        try:
+            case = decode(line, CaseSpec)
+        except msgspec.ValidationError as e:
+            message, _, where = str(e).partition(" - at `")
+            self._problem(where.rstrip("`") or "$", message)
+            return
+        for rule in case_problems(case, "$", self._seen):
+            self._problem(rule.field, rule.message)
+        self._objective.update(objective_metrics_of(case.graders))
+
+    def finish(self) -> DatasetIndex:
+        """The dataset's index once every line is in; a 400 naming the first problem (its line and
+        field) and how many more there are, when there is any."""
+        if self._tail:
+            self._row(self._tail)
+            self._tail = b""
+        if not self._seen and not self.total_problems:
+            self.problems.append(SpecProblem("$", "a dataset needs at least one case (one JSON object per line)"))
+            self.total_problems = 1
+        if len(self._objective) > MAX_OBJECTIVE_METRICS:
+            self._problem("$", f"more than {MAX_OBJECTIVE_METRICS} distinct objective metric names in the dataset")
+        if self.problems:
+            first = self.problems[0]
+            more = f" (and {self.total_problems - 1} more)" if self.total_problems > 1 else ""
+            raise ApiError(400, "invalid", first.message + more, first.field)
+        return DatasetIndex(cases=len(self._seen), objective_metrics=tuple(sorted(self._objective)))
 
 
 def check_batch_spec(spec: BatchSpec) -> None:

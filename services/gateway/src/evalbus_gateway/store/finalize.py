@@ -58,6 +58,11 @@ async def finalize_batch(db: Database, batch_id: str) -> BatchFinalized:
         rows = await conn.fetch("SELECT * FROM runs WHERE batch_id = $1 ORDER BY run_id", batch_id)
     spec = decode(str(batch["spec"]), BatchSpec)
     objective = {case.id: objective_metrics_of(case.graders) for case in spec.suite.cases}
+    if spec.suite.dataset_index is not None:
+        # The cases are in the dataset object, not the spec: every run gets the dataset's objective
+        # metrics (a case's own are a subset; docs/api.md#datasets).
+        dataset_objective = frozenset(spec.suite.dataset_index.objective_metrics)
+        objective = {str(r["case_id"]): dataset_objective for r in rows}
     runs = [run_outcome(r, objective) for r in rows]
     # In a thread: the bootstrap intervals of a large batch take a moment of CPU, which the event
     # loop (recording, serving) should not wait for.

@@ -32,6 +32,7 @@ from evalbus_contracts import (
     Event,
     ObservationFate,
     encode,
+    suite_case_count,
 )
 from evalbus_grading.verdict import decide, objective_metrics_of
 
@@ -64,9 +65,8 @@ def run_id_of(event: Event) -> str | None:
 
 
 def expected_runs(event: BatchRequested) -> int:
-    """Runs a batch will have: distinct case ids × trials."""
-    cases = {case.id for case in event.spec.suite.cases}
-    return len(cases) * max(1, event.spec.policy.trials)
+    """Runs a batch will have: distinct case ids (inline or in its dataset) × trials."""
+    return suite_case_count(event.spec.suite) * max(1, event.spec.policy.trials)
 
 
 @dataclass(slots=True)
