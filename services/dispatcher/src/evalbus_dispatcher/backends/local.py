@@ -417,6 +417,7 @@ class LocalBackend:
         self._used = 0
         self._node = platform.node() or None
         self._workers: WorkerPool | None = None
+        self._owner = _owner_mark(os.getpid())  # read once: /proc costs a few syscalls per case
 
     @property
     def root(self) -> Path | None:
@@ -461,7 +462,7 @@ class LocalBackend:
         except OSError as e:
             raise BackendError(f"cannot create a workdir: {e}", code="workdir_failed") from e
         try:
-            (case_root / OWNER_FILE).write_text(_owner_mark(os.getpid()))
+            (case_root / OWNER_FILE).write_text(self._owner)
             workdir = case_root / "work"
             workdir.mkdir()
             input_file = case_root / "input.txt"
@@ -568,6 +569,8 @@ class LocalSandbox:
         or once none of it is left)."""
         if self._pgid is None:
             return None
+        if self._workers is not None:
+            return self._workers.usage(self._pgid)
         found = procfs.group_usage(self._pgid)
         if found is None:
             return None

@@ -46,7 +46,7 @@ from evalbus_contracts.worker_protocol import (
     WorkerOutput,
 )
 from evalbus_dispatcher.backends import procfs
-from evalbus_dispatcher.backends.base import HarnessRun, OnOutput, OnSpawn, OutputStream, RunFailure
+from evalbus_dispatcher.backends.base import HarnessRun, OnOutput, OnSpawn, OutputStream, RunFailure, UnitUsage
 from evalbus_dispatcher.backends.local import (
     OWNER_FILE,
     TIMEOUT_EXIT,
@@ -119,6 +119,8 @@ class _Worker:
         self.dead = False
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.drained = asyncio.Event()
+        self.oom_kills: int | None = None
+        """The memory cgroup's OOM-kill count when it started."""
         """Set once it exited and what it wrote was read (bounded)."""
         self.recent: deque[str] = deque(maxlen=_RECENT_LINES)
         """Its last stderr lines outside any case (evidence when it dies starting)."""
@@ -348,6 +350,20 @@ class WorkerPool:
         """Process ids of the idle workers."""
         return [w.pid for workers in self._idle.values() for w in workers]
 
+    def usage(self, pid: int) -> UnitUsage | None:
+        """What worker `pid` uses now: its own process, read from `/proc/<pid>/stat` alone (the
+        processes a case starts are not counted; a whole-group scan of `/proc` per case would cost
+        more than the case)."""
+        try:
+            found = procfs._stat(Path(f"/proc/{pid}/stat").read_text())
+        except OSError:
+            return None
+        if found is None:
+            return None
+        return UnitUsage(
+            pid=pid, processes=1, rss_bytes=found.rss_pages * procfs._PAGE, cpu_seconds=found.cpu_ticks / procfs._TICKS
+        )
+
     async def run_case(
         self,
         job: CaseRequested,
@@ -369,7 +385,6 @@ class WorkerPool:
         worker_env = {name: value for name, value in env.items() if name not in CASE_VARIABLES} | dict(secret_env)
         key = (argv, tuple(sorted(worker_env.items())))
         started = time.monotonic()
-        oom_before = procfs.oom_kills()
         serving = _Serving(
             run_id=job.run_id or "", on_output=on_output, redact=redact, out=_Capture(cap), err=_Capture(cap)
         )
@@ -408,7 +423,8 @@ class WorkerPool:
             self._retire(worker)
             code = worker.returncode()
             sig = -code if code is not None and code < 0 else None
-            oom = procfs.oom_verdict(sig, timed_out=False, before=oom_before, after=procfs.oom_kills())
+            # the cgroup's OOM kills counted since the worker started (read per worker, not per case)
+            oom = procfs.oom_verdict(sig, timed_out=False, before=worker.oom_kills, after=procfs.oom_kills())
             return HarnessRun(
                 exit_code=_exit_code(code) if outcome.code != "worker_protocol" else None,
                 stdout=serving.out.text(),
@@ -528,6 +544,7 @@ class WorkerPool:
         home = Path(tempfile.mkdtemp(prefix="evalbus-worker-", dir=self._root))
         (home / OWNER_FILE).write_text(_owner_mark(os.getpid()))
         worker = _Worker(key, home, max_cases)
+        worker.oom_kills = procfs.oom_kills()
         try:
             await worker.start(argv, env, redact)
         except BaseException:
