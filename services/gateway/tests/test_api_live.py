@@ -17,6 +17,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client as NatsClient
 
+from evalbus.testing.pipeline import eventually
 from evalbus_contracts import (
     BatchSpec,
     CommandHarness,
@@ -487,6 +488,54 @@ async def test_the_live_trace_stream_resumes_on_another_replica_and_ends(
     assert decode(frames[-1].data, RunStreamEnd).status == "succeeded"
     view = await live_trace(http, two, run.run_id)
     assert [msgspec.json.encode(e) for e in view.events] == [f.data.encode() for f in trace]
+
+
+async def test_a_run_s_watchers_share_one_subscription_per_stream_and_join_mid_stream_exactly(
+    gateways: tuple[RunningGateway, RunningGateway], bus: tuple[NatsClient, Publisher], http: aiohttp.ClientSession
+) -> None:
+    """Every log and trace stream of a run on a replica follows one LIVE subscription per subject
+    set (and one of the case's `case.executed`); streams joining with `Last-Event-ID` while chunks
+    are being written get exactly the chunks after it; the subscriptions close with the streams."""
+    one, _ = gateways
+    _, pub = bus
+    run = await started_run(pub)
+    logs_path, trace_path = f"/v1/runs/{run.run_id}/logs/stream", f"/v1/runs/{run.run_id}/trajectory/live/stream"
+    watchers = [await Sse.open(http, one, logs_path) for _ in range(5)]
+    tracers = [await Sse.open(http, one, trace_path) for _ in range(3)]
+    fanout = one.state.fanout
+    await eventually(lambda: fanout.watchers == 16, timeout_s=10, what="8 streams on their LIVE and executed feeds")
+    assert fanout.subscriptions == 3  # the log subject, the trace subjects, the case's executed subject
+
+    milestones: list[asyncio.Future[int]] = [asyncio.get_running_loop().create_future() for _ in range(3)]
+
+    async def write() -> None:  # on at once past each milestone: the joins race the writes
+        for i in range(200):
+            seq = await run.log(f"line {i}\n")
+            if i % 50 == 49 and i // 50 < len(milestones):
+                milestones[i // 50].set_result(seq)
+
+    writing = asyncio.ensure_future(write())
+    joiners: list[tuple[int, Sse]] = []
+    for milestone in milestones:
+        resume = await asyncio.wait_for(milestone, 20)
+        joiners.append((resume, await Sse.open(http, one, logs_path, last_event_id=resume)))
+    await writing
+    released = await run.mark("released")
+    await run.executed()
+    for stream in watchers:
+        frames = await stream.until_end()
+        assert [f.id for f in frames[:-1]] == run.log_seqs
+        assert log_text(frames) == run.text
+    for resume, stream in joiners:
+        frames = await stream.until_end()
+        assert [f.id for f in frames[:-1]] == run.log_seqs[run.log_seqs.index(resume) + 1 :], resume
+    for stream in tracers:
+        frames = await stream.until_end()
+        assert [msgspec.json.decode(f.data)["event"] for f in frames[:-1]] == ["accepted", "started", "released"]
+        assert frames[-2].id == released
+    for stream in [*watchers, *tracers, *(s for _, s in joiners)]:
+        stream.close()
+    await eventually(lambda: fanout.subscriptions == fanout.watchers == 0, timeout_s=10, what="no subscription left")
 
 
 async def test_a_bad_last_event_id_names_the_header(

@@ -43,6 +43,9 @@ class GatewaySettings(ServiceSettings):
     sse_max_per_principal: int = 16
     """Event streams (server-sent events) one member may hold open on this replica at once; 429
     beyond (0: no limit). Admins (the CLI, operators, benchmarks) are not capped."""
+    sse_client_buffer: int = 1024
+    """Events (frames) an event stream may fall behind the shared feed it follows before it is cut
+    with a `: lagging` comment (the client resumes with `Last-Event-ID`); bounds its memory."""
     exec_per_run_per_minute: int = 30
     """Commands (`POST /v1/runs/{run_id}/exec`) one run may be asked to run per minute on this
     replica; 429 beyond (0: no limit)."""

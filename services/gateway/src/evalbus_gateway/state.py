@@ -7,11 +7,13 @@ from typing import TYPE_CHECKING
 
 import asyncpg
 from nats.js import JetStreamContext
+from prometheus_client import Counter, Gauge
 
 from evalbus_gateway.api.auth import TokenTable
 from evalbus_gateway.api.limits import RunRate, StreamSlots
 from evalbus_gateway.api.sse import EventStreams
 from evalbus_gateway.errors import NotReadyError
+from evalbus_gateway.live.fanout import Fanout
 from evalbus_gateway.settings import GatewaySettings
 from evalbus_runtime import Publisher, Service
 
@@ -30,6 +32,16 @@ class GatewayState:
         self.tokens = tokens
         self.streams = EventStreams()
         """Open SSE connections."""
+        registry = service.metrics.registry
+        lagging = Counter("evalbus_gateway_sse_lagging", "Event streams cut for falling behind", registry=registry)
+        self.fanout = Fanout(on_lagged=lagging.inc)
+        """The shared JetStream subscriptions the event streams follow."""
+        Gauge(
+            "evalbus_gateway_sse_subscriptions", "Shared subscriptions event streams follow", registry=registry
+        ).set_function(lambda: self.fanout.subscriptions)
+        Gauge(
+            "evalbus_gateway_sse_watchers", "Event streams following a shared subscription", registry=registry
+        ).set_function(lambda: self.fanout.watchers)
         self.stream_slots = StreamSlots()
         """Open event streams per principal (the `sse_max_per_principal` limit)."""
         self.exec_rate = RunRate()

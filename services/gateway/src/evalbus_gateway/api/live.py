@@ -11,6 +11,10 @@ client resumes with `Last-Event-ID` on any replica, missing and repeating nothin
 - `: heartbeat` comments on a quiet stream;
 - once the run's `case.executed` is on the CASES stream, whatever the LIVE stream holds up to then
   is sent, then `event: end` with `{run_id, status}`, and the stream closes.
+
+The streams of a run on a replica share one subscription of its LIVE subjects and one of its
+case's `case.executed` (`live.fanout`): a stream replays from its start on a consumer of its own,
+then joins them with no gap and no duplicate; one too far behind is cut (`: lagging`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ from dataclasses import dataclass
 
 import nats.errors
 from aiohttp import web
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from evalbus_contracts import encode
@@ -33,18 +36,19 @@ from evalbus_gateway.api.reads import requested_on_stream
 from evalbus_gateway.api.table import Body, Call, Param, Route
 from evalbus_gateway.api.validation import header_seq, path_id
 from evalbus_gateway.errors import NotReadyError
+from evalbus_gateway.live.fanout import LAGGING, Fanout, FeedSpec, Lagged, Watcher, abort_later, catch_up, replay
 from evalbus_gateway.live.reads import (
+    Executed,
     ExecutedStatus,
     TailStart,
+    executed_feed,
     executed_on_stream,
     last_of,
     last_on,
+    live_feed,
     live_subjects,
     locate_tail,
     read_live,
-    stored_message,
-    subscribe_live,
-    watch_executed,
 )
 from evalbus_gateway.live.views import (
     LOG_TAIL_BYTES,
@@ -65,6 +69,8 @@ log = logging.getLogger("evalbus.gateway.live")
 
 DRAIN_S = 5.0
 """After the run settled, how long a stream waits for the LIVE messages published before it."""
+WRITE_BYTES = 64 * 1024
+"""Frames of a replay are written in chunks of about this size."""
 
 Render = Callable[[Stored, int], list[bytes]]
 """The SSE frames of one LIVE message, its first `skip` bytes of text left out."""
@@ -139,14 +145,6 @@ async def run_live_trace(call: Call) -> web.StreamResponse:
 # ---------------------------------------------------------------- event streams
 
 
-@dataclass(frozen=True, slots=True)
-class _Settled:
-    status: ExecutedStatus
-
-
-_Item = Stored | _Settled
-
-
 async def stream_run(
     request: web.Request,
     state: GatewayState,
@@ -160,20 +158,13 @@ async def stream_run(
     streams = state.streams
     if streams.closing():
         raise NotReadyError("the gateway is stopping; reconnect to another replica")
-    js = state.js
-    # Both subscriptions deliver into one bounded queue (a slow client holds the consumer back
-    # through flow control); unsubscribing stops them, with no task of ours left to cancel.
-    queue: asyncio.Queue[_Item] = asyncio.Queue(maxsize=256)
-
-    async def on_live(msg: Msg) -> None:
-        stored = stored_message(msg)
-        if stored is not None:
-            await queue.put(stored)
-
-    async def on_executed(status: ExecutedStatus) -> None:
-        await queue.put(_Settled(status))
-
-    subs = [await subscribe_live(js, subject_list, start_seq=start.seq, cb=on_live)]
+    js, fanout = state.js, state.fanout
+    live = live_feed(subject_list)
+    executed = None
+    if (run.view is None or run.view.executed_status is None) and run.batch_id is not None and run.case_id is not None:
+        executed = executed_feed(run.batch_id, run.case_id)
+    buffer = state.settings.sse_client_buffer
+    watcher: Watcher[Stored | Executed] = Watcher(buffer, on_lag=abort_later(request.transport))
     response = web.StreamResponse(
         status=200,
         headers={
@@ -184,15 +175,21 @@ async def stream_run(
     )
     streams.enter()
     try:
-        if run.view is not None and run.view.executed_status is not None:
-            queue.put_nowait(_Settled(run.view.executed_status))
-        elif run.batch_id is not None and run.case_id is not None:
-            subs.append(await watch_executed(js, run.batch_id, run.case_id, run.run_id, on_executed))
+        settled = run.view.executed_status if run.view is not None else None
+        if executed is not None and run.batch_id is not None and run.case_id is not None:
+            # Joined before the stream is asked, so a `case.executed` stored after comes through the feed.
+            await fanout.join(js, executed, watcher)
+            settled = await executed_on_stream(js, run.batch_id, run.case_id, run.run_id)
         await response.prepare(request)
         await response.write(b": evalbus run " + run.run_id.encode("utf-8").replace(b"\n", b" ") + b"\n\n")
-        await _pump(response, js, run, subject_list, queue, start, render, state.settings.sse_heartbeat_s)
+        pump = _Pump(response, js, fanout, run, live, watcher, start, render)
+        await pump.serve(settled, state.settings.sse_heartbeat_s)
     except ConnectionResetError:
         pass  # the client left
+    except Lagged:
+        log.info("live stream of %s cut: the client fell %d messages behind", run.run_id, buffer)
+        with contextlib.suppress(ConnectionResetError):
+            await response.write(LAGGING)
     except nats.errors.Error as e:
         log.info("live stream of %s ended: %s", run.run_id, e)  # the client resumes with Last-Event-ID
     except asyncio.CancelledError:
@@ -203,52 +200,82 @@ async def stream_run(
             current.uncancel()  # closed by shutdown: end the response; the client resumes elsewhere
     finally:
         streams.leave()
-        for sub in subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        await fanout.leave(live, watcher)
+        if executed is not None:
+            await fanout.leave(executed, watcher)
     return response
 
 
-async def _pump(
-    response: web.StreamResponse,
-    js: JetStreamContext,
-    run: LiveRun,
-    subject_list: list[str],
-    queue: asyncio.Queue[_Item],
-    start: TailStart,
-    render: Render,
-    heartbeat_s: float,
-) -> None:
-    settled: ExecutedStatus | None = None
-    drain_to: int | None = None
-    deadline: float | None = None
-    last_seen = start.seq - 1 if start.seq is not None else 0  # what the client has (or skips)
-    while True:
-        if settled is not None and (drain_to is None or last_seen >= drain_to):
-            await response.write(end_frame(run.run_id, settled))
+@dataclass
+class _Pump:
+    """Writes one run stream: the replay, then the shared feed, then `end` once the run settled
+    and what the LIVE stream held up to then was sent."""
+
+    response: web.StreamResponse
+    js: JetStreamContext
+    fanout: Fanout
+    run: LiveRun
+    live: FeedSpec[Stored]
+    watcher: Watcher[Stored | Executed]
+    start: TailStart
+    render: Render
+    seen: int = 0
+    """Last LIVE sequence the client has (or skips)."""
+
+    def frames(self, item: Stored) -> list[bytes]:
+        self.seen = item.seq
+        return self.render(item, self.start.skip if item.seq == self.start.seq else 0)
+
+    async def drain_point(self) -> int:
+        last = await last_of(self.js, self.live.subjects)
+        return last.seq if last is not None else 0
+
+    async def serve(self, settled: ExecutedStatus | None, heartbeat_s: float) -> None:
+        self.seen = self.start.seq - 1 if self.start.seq is not None else 0
+        out: list[bytes] = []
+        if settled is not None:  # nothing more comes: replay to the end, no feed needed
+            async for kept in replay(self.js, self.live, after=self.seen, until=await self.drain_point()):
+                out += self.frames(kept)
+                out = await self._flush(out, WRITE_BYTES)
+            await self.watcher.write(self.response, b"".join(out) + end_frame(self.run.run_id, settled))
             return
-        timeout = heartbeat_s if deadline is None else max(0.0, min(heartbeat_s, deadline - time.monotonic()))
-        try:
-            item = await asyncio.wait_for(queue.get(), timeout)
-        except TimeoutError:
-            if settled is not None and deadline is not None and time.monotonic() >= deadline:
-                log.info("live stream of %s ends without LIVE messages up to %s", run.run_id, drain_to)
-                await response.write(end_frame(run.run_id, settled))
+        async for caught in catch_up(self.js, self.fanout, self.live, self.watcher, after=self.seen):
+            if isinstance(caught, Stored):  # always: the replay reads the LIVE feed's subjects
+                out += self.frames(caught)
+            out = await self._flush(out, WRITE_BYTES)
+        await self._flush(out, 0)
+        drain_to: int | None = None
+        deadline: float | None = None
+        while True:
+            if settled is not None and (drain_to is None or self.seen >= drain_to):
+                await self.watcher.write(self.response, end_frame(self.run.run_id, settled))
                 return
-            await response.write(b": heartbeat\n\n")
-            continue
-        if isinstance(item, _Settled):
-            settled = item.status
-            last = await last_of(js, subject_list)
-            drain_to = last.seq if last is not None else None
-            deadline = time.monotonic() + DRAIN_S
-            continue
-        if item.seq <= last_seen:
-            continue  # a consumer reset redelivered it: the client has it
-        skip = start.skip if item.seq == start.seq else 0
-        for data in render(item, skip):
-            await response.write(data)
-        last_seen = item.seq
+            timeout = heartbeat_s if deadline is None else max(0.0, min(heartbeat_s, deadline - time.monotonic()))
+            items = await self.watcher.take(timeout)
+            if not items:
+                if settled is not None and deadline is not None and time.monotonic() >= deadline:
+                    log.info("live stream of %s ends without LIVE messages up to %s", self.run.run_id, drain_to)
+                    await self.watcher.write(self.response, end_frame(self.run.run_id, settled))
+                    return
+                await self.watcher.write(self.response, b": heartbeat\n\n")
+                continue
+            out = []
+            for item in items:
+                if isinstance(item, Executed):
+                    if settled is None and item.run_id == self.run.run_id:
+                        settled = item.status
+                        drain_to = await self.drain_point()
+                        deadline = time.monotonic() + DRAIN_S
+                elif item.seq > self.seen:
+                    out += self.frames(item)
+            await self._flush(out, 0)
+
+    async def _flush(self, out: list[bytes], at_least: int) -> list[bytes]:
+        """Write `out` when it holds at least `at_least` bytes (and something); what is left to write."""
+        if out and sum(len(b) for b in out) >= at_least:
+            await self.watcher.write(self.response, b"".join(out))
+            return []
+        return out
 
 
 def _resume_point(request: web.Request) -> int | None:

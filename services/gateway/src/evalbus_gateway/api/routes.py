@@ -235,6 +235,8 @@ async def batch_events(call: Call) -> web.StreamResponse:
         last_event_id=last_event_id,
         heartbeat_s=state.settings.sse_heartbeat_s,
         streams=state.streams,
+        fanout=state.fanout,
+        buffer=state.settings.sse_client_buffer,
     )
 
 

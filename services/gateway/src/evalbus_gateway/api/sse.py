@@ -1,14 +1,18 @@
 """Server-sent events of one batch, straight from the CASES stream.
 
-Each connection reads the batch's subjects (`subjects.batch_filter`) through an ordered,
-ephemeral JetStream consumer, so every gateway replica serves the same stream with no state of
-its own. Frames:
+Every connection to a batch in a process follows one shared feed of the batch's subjects
+(`subjects.batch_filter`, `live.fanout`): the first opens it, each message is framed once, the
+last one closes it. A connection first replays the stream from its resume point on a consumer of
+its own, then joins the feed with no gap and no duplicate. Nothing is kept beyond the open
+connections, so every gateway replica serves the same stream. Frames:
 
 - `id:` the stream sequence, `event:` the event type, `data:` the event JSON as published;
-- `Last-Event-ID: n` resumes exactly after sequence n (`opt_start_seq = n + 1`);
+- `Last-Event-ID: n` resumes exactly after sequence n;
 - a `: heartbeat` comment after every quiet `heartbeat_s`;
 - after the batch's `batch.finalized`, `event: end` with `{"batch_id", "status"}`, then the
-  stream closes. A client resuming after the `batch.finalized` frame gets `end` at once.
+  stream closes. A client resuming after the `batch.finalized` frame gets `end` at once;
+- a client that falls `GATEWAY_SSE_CLIENT_BUFFER` events behind gets a `: lagging` comment and
+  the stream closes (no `end`): it resumes with `Last-Event-ID`, as after any disconnect.
 """
 
 from __future__ import annotations
@@ -16,27 +20,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
+from dataclasses import dataclass
 
 import msgspec
 import nats.errors
 from aiohttp import web
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js import api as jsapi
 
 from evalbus_contracts import encode, subjects
 from evalbus_contracts.streams import CASES
 from evalbus_gateway.api.models import StreamEnd
 from evalbus_gateway.api.reads import finalized_on_stream
 from evalbus_gateway.errors import NotReadyError
+from evalbus_gateway.live.fanout import LAGGING, Fanout, FeedSpec, Lagged, Watcher, abort_later, catch_up
 from evalbus_gateway.store.queries import BatchStatus
 
 log = logging.getLogger("evalbus.gateway.sse")
 
 END_EVENT = "end"
 """The last event of a stream: the batch is finalized."""
-_IDLE_HEARTBEAT_S = 5.0
-"""JetStream's idle heartbeat on the ordered consumer (how it notices a lost consumer)."""
 
 
 class _Typed(msgspec.Struct):
@@ -110,6 +113,35 @@ class EventStreams:
             await asyncio.wait(tasks, timeout=timeout_s)
 
 
+@dataclass(frozen=True, slots=True)
+class BatchFrame:
+    """One event of a batch's stream, framed once for every client of the process."""
+
+    seq: int
+    """Its CASES stream sequence (the SSE id)."""
+    data: bytes
+    """The SSE frame."""
+    final: BatchStatus | None
+    """The batch's status when this is its `batch.finalized`."""
+
+
+def batch_frame(msg: Msg) -> BatchFrame:
+    """The frame of a CASES message of a batch."""
+    seq = int(msg.metadata.sequence.stream)
+    kind = event_type(msg.headers, msg.data)
+    final = final_status(msg.data) if kind == "batch.finalized" else None
+    return BatchFrame(seq=seq, data=frame(msg.data, event=kind, event_id=seq), final=final)
+
+
+def batch_feed(batch_id: str) -> FeedSpec[BatchFrame]:
+    """The shared feed of a batch's events."""
+    return FeedSpec("batch", CASES.name, tuple(subjects.batch_filter(batch_id)), batch_frame)
+
+
+WRITE_BYTES = 64 * 1024
+"""Frames of a replay are written in chunks of about this size."""
+
+
 async def stream_batch_events(
     request: web.Request,
     js: JetStreamContext,
@@ -118,21 +150,13 @@ async def stream_batch_events(
     last_event_id: int | None,
     heartbeat_s: float,
     streams: EventStreams,
+    fanout: Fanout,
+    buffer: int,
 ) -> web.StreamResponse:
     """Serve the batch's events as SSE until its `batch.finalized` (or the client leaves)."""
     if streams.closing():
         raise NotReadyError("the gateway is stopping; reconnect to another replica")
     finalized = await finalized_on_stream(js, batch_id) if last_event_id is not None else None
-    sub = None
-    if finalized is None or last_event_id is None or finalized[0] > last_event_id:
-        filters = subjects.batch_filter(batch_id)
-        config = jsapi.ConsumerConfig(filter_subjects=filters)
-        if last_event_id is not None:
-            config.deliver_policy = jsapi.DeliverPolicy.BY_START_SEQUENCE
-            config.opt_start_seq = last_event_id + 1
-        sub = await js.subscribe(
-            filters[0], stream=CASES.name, ordered_consumer=True, config=config, idle_heartbeat=_IDLE_HEARTBEAT_S
-        )
     response = web.StreamResponse(
         status=200,
         headers={
@@ -141,16 +165,22 @@ async def stream_batch_events(
             "X-Accel-Buffering": "no",
         },
     )
+    spec = batch_feed(batch_id)
+    watcher: Watcher[BatchFrame] = Watcher(buffer, on_lag=abort_later(request.transport))
     streams.enter()
     try:
         await response.prepare(request)
         await response.write(b": evalbus batch events\n\n")
-        if sub is None and finalized is not None:
+        if finalized is not None and last_event_id is not None and finalized[0] <= last_event_id:
             await response.write(end_frame(batch_id, finalized[1].status))
             return response
-        await _pump(response, sub, batch_id, heartbeat_s)
+        await _pump(response, js, fanout, spec, watcher, batch_id, last_event_id or 0, heartbeat_s)
     except ConnectionResetError:
         pass  # the client left
+    except Lagged:
+        log.info("event stream of %s cut: the client fell %d events behind", batch_id, buffer)
+        with contextlib.suppress(ConnectionResetError):
+            await response.write(LAGGING)
     except asyncio.CancelledError:
         if not streams.closing():
             raise
@@ -161,24 +191,53 @@ async def stream_batch_events(
         log.info("event stream of %s ended: %s", batch_id, e)
     finally:
         streams.leave()
-        if sub is not None:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        await fanout.leave(spec, watcher)
     return response
 
 
-async def _pump(response: web.StreamResponse, sub: Any, batch_id: str, heartbeat_s: float) -> None:
-    while True:
-        try:
-            msg = await sub.next_msg(timeout=heartbeat_s)
-        except nats.errors.TimeoutError:
-            await response.write(b": heartbeat\n\n")
-            continue
-        kind = event_type(msg.headers, msg.data)
-        await response.write(frame(msg.data, event=kind, event_id=int(msg.metadata.sequence.stream)))
-        if kind == "batch.finalized":
-            await response.write(end_frame(batch_id, final_status(msg.data)))
+async def _pump(
+    response: web.StreamResponse,
+    js: JetStreamContext,
+    fanout: Fanout,
+    spec: FeedSpec[BatchFrame],
+    watcher: Watcher[BatchFrame],
+    batch_id: str,
+    after: int,
+    heartbeat_s: float,
+) -> None:
+    seen = after
+    out: list[bytes] = []
+    size = 0
+    async for item in catch_up(js, fanout, spec, watcher, after=after):
+        out.append(item.data)
+        size += len(item.data)
+        seen = item.seq
+        if item.final is not None:
+            out.append(end_frame(batch_id, item.final))
+            await watcher.write(response, b"".join(out))
             return
+        if size >= WRITE_BYTES:
+            await watcher.write(response, b"".join(out))
+            out, size = [], 0
+    if out:
+        await watcher.write(response, b"".join(out))
+    while True:
+        items = await watcher.take(heartbeat_s)
+        if not items:
+            await watcher.write(response, b": heartbeat\n\n")
+            continue
+        out = []
+        for item in items:
+            if item.seq <= seen:
+                continue  # the replay sent it
+            seen = item.seq
+            out.append(item.data)
+            if item.final is not None:
+                out.append(end_frame(batch_id, item.final))
+                await watcher.write(response, b"".join(out))
+                return
+        if out:
+            await watcher.write(response, b"".join(out))
 
 
 class _Status(msgspec.Struct):

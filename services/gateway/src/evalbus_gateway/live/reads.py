@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -32,6 +32,7 @@ from evalbus_contracts import (
     subjects,
 )
 from evalbus_contracts.streams import CASES, LIVE
+from evalbus_gateway.live.fanout import FeedSpec
 from evalbus_gateway.live.views import LOG_TAIL_BYTES, Stored, chunk_end, tail_target
 
 log = logging.getLogger("evalbus.gateway.live")
@@ -64,6 +65,11 @@ def _stored(seq: int, data: bytes, subject: str) -> Stored | None:
 def stored_message(msg: Msg) -> Stored | None:
     """A message delivered by a consumer of the LIVE stream, decoded (None when it is not a LIVE event)."""
     return _stored(int(msg.metadata.sequence.stream), msg.data, msg.subject)
+
+
+def live_feed(subject_list: Sequence[str]) -> FeedSpec[Stored]:
+    """The shared feed of a run's LIVE subjects (each message decoded once for its streams)."""
+    return FeedSpec("live", LIVE.name, tuple(subject_list), stored_message)
 
 
 async def last_on(js: JetStreamContext, subject: str, stream: str = LIVE.name) -> Stored | None:
@@ -132,10 +138,9 @@ async def subscribe_live(
     subject_list: Sequence[str],
     *,
     start_seq: int | None,
-    cb: Callable[[Msg], Awaitable[None]] | None = None,
 ) -> Any:
     """An ordered consumer on `subject_list` from `start_seq` (None: from the oldest message kept),
-    delivering to `cb` when given (else read with `next_msg`)."""
+    read with `next_msg`."""
     config = jsapi.ConsumerConfig(filter_subjects=list(subject_list))
     if start_seq is not None:
         config.deliver_policy = jsapi.DeliverPolicy.BY_START_SEQUENCE
@@ -143,7 +148,6 @@ async def subscribe_live(
     return await js.subscribe(
         subject_list[0],
         stream=LIVE.name,
-        cb=cb,
         ordered_consumer=True,
         config=config,
         idle_heartbeat=IDLE_HEARTBEAT_S,
@@ -217,28 +221,29 @@ async def executed_on_stream(js: JetStreamContext, batch_id: str, case_id: str, 
             await sub.unsubscribe()
 
 
-async def watch_executed(
-    js: JetStreamContext,
-    batch_id: str,
-    case_id: str,
-    run_id: str,
-    on_executed: Callable[[ExecutedStatus], Awaitable[None]],
-) -> Any:
-    """Call `on_executed` once the run's `case.executed` is on the CASES stream (at once when it is
-    there already); returns the subscription, to unsubscribe when done."""
-    seen = False
+@dataclass(frozen=True, slots=True)
+class Executed:
+    """A `case.executed` of one of a case's runs (its trials share the subject)."""
 
-    async def on_msg(msg: Msg) -> None:
-        nonlocal seen
-        status = None if seen else _executed(msg.data, run_id)
-        if status is not None:
-            seen = True
-            await on_executed(status)
+    seq: int
+    """CASES stream sequence."""
+    run_id: str
+    """The run it settles."""
+    status: ExecutedStatus
+    """Its execution outcome."""
 
-    return await js.subscribe(
-        executed_subject(batch_id, case_id),
-        stream=CASES.name,
-        cb=on_msg,
-        ordered_consumer=True,
-        idle_heartbeat=IDLE_HEARTBEAT_S,
-    )
+
+def executed_message(msg: Msg) -> Executed | None:
+    """A `case.executed` delivered by a consumer of the CASES stream, decoded."""
+    try:
+        event = decode_event(msg.data)
+    except DecodeError:
+        return None
+    if not isinstance(event, CaseExecuted) or event.run_id is None:
+        return None
+    return Executed(seq=int(msg.metadata.sequence.stream), run_id=event.run_id, status=event.status)
+
+
+def executed_feed(batch_id: str, case_id: str) -> FeedSpec[Executed]:
+    """The shared feed of a case's `case.executed` events (for the streams of its runs)."""
+    return FeedSpec("executed", CASES.name, (executed_subject(batch_id, case_id),), executed_message)
