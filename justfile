@@ -38,6 +38,11 @@ test *args:
 test-fast *args:
     {{run}} python -m pytest -m unit {{args}}
 
+# The backend behaviour suite against a real Kubernetes cluster (docs/backends.md): kubeconfig, case image, namespace.
+test-backends-live kubeconfig image="evalbus/case:latest" namespace="default" *args:
+    EVALBUS_TEST_KUBECONFIG={{kubeconfig}} EVALBUS_TEST_IMAGE={{image}} EVALBUS_TEST_NAMESPACE={{namespace}} \
+      {{run}} python -m pytest services/dispatcher/tests/test_backend_behaviour.py -k "live" {{args}}
+
 # ruff (lint and format check) and mypy --strict.
 lint:
     {{run}} ruff check {{code}}

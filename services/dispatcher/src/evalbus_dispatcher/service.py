@@ -42,6 +42,8 @@ from evalbus_contracts import (
 from evalbus_contracts.control import TERMINAL_PING_S
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import DISPATCHER_BATCHES, DISPATCHER_CASES, LIVE
+from evalbus_dispatcher.backends.base import Mark, Observed, SandboxHandle
+from evalbus_dispatcher.backends.kubernetes import JobTemplate, KubernetesBackend, connect_cluster
 from evalbus_dispatcher.backends.local import LocalBackend, sweep_orphans
 from evalbus_dispatcher.cancellation import cancelled_execution
 from evalbus_dispatcher.control import LiveControls
@@ -86,6 +88,20 @@ class DispatcherSettings(ServiceSettings):
     """Seconds between two writes of the replica's status when nothing changes."""
     terminal_ping_s: float = TERMINAL_PING_S
     """Seconds between a live terminal's keep-alives (a client silent for three is gone)."""
+    backend: Literal["local", "kubernetes"] = "local"
+    """Where cases run: this machine, or a Kubernetes Job per case attempt (docs/backends.md)."""
+    namespace: str = "evalbus"
+    """Kubernetes namespace the case Jobs are made in."""
+    image: str = "evalbus/case:latest"
+    """Case image when the harness names none (`harness.compute.image`); it runs the in-job runner."""
+    kubeconfig: str | None = None
+    """Kubeconfig file (`DISPATCHER_KUBECONFIG`, then `KUBECONFIG`); none: in-cluster, else `~/.kube/config`."""
+    kube_context: str | None = None
+    """Kubeconfig context (none: its current context)."""
+    cluster_poll_s: float = 1.0
+    """Seconds between two reads of a starting or running pod and its events."""
+    start_timeout_s: float = 600.0
+    """How long a case's pod may stay unscheduled or starting before the run fails."""
 
 
 class LiveBus:
@@ -277,6 +293,25 @@ class Cancellations:
             log.warning("read %d of %d cancellations at start", self._read, known)
 
 
+def kubernetes_backend(settings: DispatcherSettings) -> KubernetesBackend:
+    """The Kubernetes backend the settings describe (reads the kubeconfig)."""
+    template = JobTemplate(namespace=settings.namespace, image=settings.image, start_timeout_s=settings.start_timeout_s)
+    return connect_cluster(
+        template,
+        kubeconfig=settings.kubeconfig,
+        context=settings.kube_context,
+        slots=settings.slots,
+        poll_s=settings.cluster_poll_s,
+    )
+
+
+def observed(handle: SandboxHandle, mark: Mark) -> SandboxHandle:
+    """`handle`, reporting its orchestrator's placement to the run's marks when it has one."""
+    if isinstance(handle, Observed):
+        handle.observe(mark)
+    return handle
+
+
 def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
     """Add the fan-out and execution stages to `service`."""
     secrets = SecretStore()
@@ -286,6 +321,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         secrets=secrets,
         adopt_orphans=True,
     )
+    cluster = kubernetes_backend(settings) if settings.backend == "kubernetes" else None
     puller = PlatformTracePuller(secrets)
     cancels = Cancellations()
     presence = Presence(
@@ -310,6 +346,8 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         await presence.stop()
         await puller.close()
         await backend.close()  # the warm workers
+        if cluster is not None:
+            await cluster.close()
 
     async def on_batch(event: BatchRequested, _: Delivery) -> Sequence[EventBase]:
         if event.rejudge_of is not None:
@@ -349,7 +387,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         try:
             executed = await execute_case(
                 req,
-                backend,
+                cluster or backend,
                 live=live,
                 on_release=released,
                 trace_puller=puller,
@@ -358,7 +396,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
                 queued=Queued(waited_s=waited, delivery=delivery.num_delivered),
                 sample_interval_s=settings.sample_interval_s,
                 on_sandbox=lambda handle, mark, cdp: controls.attach(
-                    run_id, handle, mark, screen=lambda: capture(screens.session, cdp())
+                    run_id, observed(handle, mark), mark, screen=lambda: capture(screens.session, cdp())
                 ),
             )
         finally:

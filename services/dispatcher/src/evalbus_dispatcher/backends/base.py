@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Literal, Protocol, runtime_checkable
 
 from evalbus_contracts import CaseRequested, Snapshot
@@ -203,4 +204,64 @@ class Backend(Protocol):
 
     def capacity(self) -> Capacity:
         """Slots offered and in use."""
+        ...
+
+
+# ---------------------------------------------------------------- cluster backends
+
+PlacementPhase = Literal["queued", "blocked", "starting", "running", "dead"]
+"""Where a case's orchestrator unit is: not scheduled yet, unschedulable (or failing to start),
+scheduled and starting, running, gone."""
+
+Mark = Callable[[str, str], Awaitable[None]]
+"""Adds an infra mark (event, message) to the run's trace, live and sealed (failure evidence)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OrchestratorEvent:
+    """One event of the orchestrator's own feed about the unit (a Kubernetes Event, a Nomad task event)."""
+
+    at: datetime | None
+    """When the orchestrator recorded it (its clock)."""
+    kind: str
+    """`Normal` or `Warning` (Kubernetes), the task event type (Nomad)."""
+    reason: str
+    """Short machine word: `Scheduled`, `Pulling`, `FailedScheduling`, `Killing`…"""
+    message: str
+    """What the orchestrator said."""
+
+
+@dataclass(frozen=True, slots=True)
+class UnitPlacement:
+    """A cluster unit (pod, allocation) as the orchestrator reports it, normalised."""
+
+    phase: PlacementPhase
+    """queued / blocked / starting / running / dead."""
+    reason: str | None = None
+    """Why blocked or dead (the scheduler's message, `OOMKilled`, `ErrImagePull: …`)."""
+    unit: str | None = None
+    """The pod or allocation."""
+    node: str | None = None
+    """The node it was placed on."""
+    restarts: int = 0
+    """Container or task restarts."""
+    oom: bool | None = None
+    """Whether the out-of-memory killer ended it (None: not ended, or cannot tell)."""
+    exit_code: int | None = None
+    """The container's or task's exit code, once it ended."""
+    events: tuple[OrchestratorEvent, ...] = ()
+    """The orchestrator's event feed, oldest first."""
+
+
+@runtime_checkable
+class Observed(Protocol):
+    """A sandbox on an orchestrator: it marks the run's trace as the orchestrator reports the unit
+    (submitted, blocked, placed, its own events) and can say where the unit is now."""
+
+    def observe(self, mark: Mark) -> None:
+        """Report placement to `mark` from now on (called once the sandbox exists)."""
+        ...
+
+    async def placement(self) -> UnitPlacement:
+        """Where the unit is now, from the orchestrator."""
         ...

@@ -1,0 +1,397 @@
+"""One behaviour suite for every backend, through `execute_case` (what the dispatcher runs).
+
+- `local`: for real, on this machine.
+- `kubernetes`: against `evalbus.testing.fake_kubernetes` — a **protocol-level** fake API server
+  (every request checked against the documented API; its kubelet runs the pod's command, the real
+  in-job runner, as a local process). Not a real cluster.
+- `kubernetes-live`: a real cluster, only when `EVALBUS_TEST_KUBECONFIG` names a kubeconfig
+  (`just test-backends-live`; the image `EVALBUS_TEST_IMAGE` must hold the runner and Python).
+- `docker`: skipped, saying why, where no Docker engine answers (and not built yet where one does).
+
+Scenarios that need an orchestrator (images, memory limits, scheduling) run on the cluster
+backends only; the local backend has none of these.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+
+from evalbus.testing.fake_kubernetes import DEFAULT_IMAGE, FakeKubernetes
+from evalbus.testing.pipeline import eventually
+from evalbus_contracts import (
+    CasePlan,
+    CaseRequested,
+    CaseSpec,
+    CommandHarness,
+    ComputeSpec,
+    Infra,
+    Measured,
+    TestsPassGrader,
+    batch_run_id,
+)
+from evalbus_dispatcher import LocalBackend, execute_case
+from evalbus_dispatcher.backends.base import Backend, Interactive, Observed, SandboxHandle
+from evalbus_dispatcher.backends.kubernetes import JobTemplate, KubernetesBackend
+from evalbus_dispatcher.execute import MarkFn
+from evalbus_dispatcher.service import DispatcherSettings, kubernetes_backend
+from evalbus_runtime.secrets import SecretStore
+from evalbus_runtime.settings import SettingsError, load_settings
+
+from .conftest import LiveRecord, _RecordingLive
+
+pytestmark = pytest.mark.integration
+
+SECRET = "k8s-canary-0d1f2e"
+
+WAIT_FOR_GO = """
+import os, sys, time
+print("tick 1", flush=True)
+print("progress", file=sys.stderr, flush=True)
+while not os.path.exists("go"):
+    time.sleep(0.02)
+print("EVALBUS_RESULT {\\"answer\\": \\"went\\"}")
+"""
+
+
+def _docker_reason() -> str:
+    if shutil.which("docker") is None:
+        return "no docker client on this machine"
+    done = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=20, check=False)
+    if done.returncode != 0:
+        return f"no Docker engine answers (`docker info` exit {done.returncode})"
+    return "a Docker engine answers, but the docker backend is not built yet"
+
+
+@dataclass
+class Target:
+    """A backend under test and what its scenarios need from it."""
+
+    name: str
+    backend: Backend
+    cluster: bool
+    fake: FakeKubernetes | None = None
+    gone: Callable[[], Awaitable[bool]] | None = None
+    """Whether nothing of the case is left on the backend."""
+    handles: list[SandboxHandle] = field(default_factory=list)
+
+
+def _kubernetes_backend(config: k8s.Configuration, namespace: str, image: str, poll_s: float) -> KubernetesBackend:
+    api = k8s.ApiClient(config)
+    runner = (sys.executable, "-m", "evalbus.runner") if image == DEFAULT_IMAGE else ("python", "-m", "evalbus.runner")
+    template = JobTemplate(namespace=namespace, image=image, runner_command=runner, start_timeout_s=60.0)
+    return KubernetesBackend(api, template, slots=4, poll_s=poll_s)
+
+
+@contextlib.asynccontextmanager
+async def open_target(name: str, tmp_path: Path) -> AsyncIterator[Target]:
+    """The backend `name` ready for a scenario (skipped, saying why, when it cannot run here)."""
+    if name == "local":
+        environ = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "EVALBUS_SECRET_API_KEY": SECRET}
+        local = LocalBackend(slots=4, root=tmp_path, secrets=SecretStore(environ), environ=environ, kill_grace_s=0.5)
+
+        async def local_gone() -> bool:
+            return not await asyncio.to_thread(lambda: any(tmp_path.iterdir()))
+
+        yield Target("local", local, cluster=False, gone=local_gone)
+    elif name == "kubernetes":
+        async with FakeKubernetes() as fake:
+            fake.add_node("node-a", cpu=2, memory="2Gi", zone="a")
+            fake.add_secret("api-key", {"value": SECRET})
+            config = k8s.Configuration()
+            config.host = fake.url
+            backend = _kubernetes_backend(config, "evalbus", DEFAULT_IMAGE, poll_s=0.05)
+
+            async def fake_gone() -> bool:
+                return not fake.jobs and not fake.pods
+
+            try:
+                yield Target("kubernetes", backend, cluster=True, fake=fake, gone=fake_gone)
+            finally:
+                await backend.close()
+            assert fake.violations == [], fake.violations
+    elif name == "kubernetes-live":
+        kubeconfig = os.environ.get("EVALBUS_TEST_KUBECONFIG")
+        if not kubeconfig:
+            pytest.skip("no real cluster: set EVALBUS_TEST_KUBECONFIG (just test-backends-live)")
+        config = k8s.Configuration()
+        k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=config)  # type: ignore[no-untyped-call]
+        image = os.environ.get("EVALBUS_TEST_IMAGE", "evalbus/case:latest")
+        namespace = os.environ.get("EVALBUS_TEST_NAMESPACE", "default")
+        backend = _kubernetes_backend(config, namespace, image, poll_s=0.5)
+        try:
+            yield Target("kubernetes-live", backend, cluster=True)
+        finally:
+            await backend.close()
+    else:
+        pytest.skip(_docker_reason())
+
+
+@pytest.fixture(params=["local", "kubernetes", "kubernetes-live", "docker"])
+async def target(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Target]:
+    """Every backend."""
+    async with open_target(request.param, tmp_path) as found:
+        yield found
+
+
+@pytest.fixture(params=["kubernetes", "kubernetes-live"])
+async def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Target]:
+    """The backends with an orchestrator (images, memory limits, scheduling)."""
+    async with open_target(request.param, tmp_path) as found:
+        yield found
+
+
+@pytest.fixture
+def make(request: pytest.FixtureRequest) -> Callable[..., CaseRequested]:
+    batch = "bb-" + request.node.name.replace("[", "-").replace("]", "")[-40:]
+
+    def build(code: str, **kw: Any) -> CaseRequested:
+        case_id = kw.pop("case_id", "c1")
+        return CaseRequested(
+            batch_id=batch,
+            case_id=case_id,
+            run_id=batch_run_id(batch, case_id, None),
+            case=CaseSpec(
+                id=case_id, input="6 x 7?", graders=kw.pop("graders", ()), timeout_s=kw.pop("timeout_s", None)
+            ),
+            harness=CommandHarness(
+                id="agent",
+                command=(sys.executable, "harness.py"),
+                files={"harness.py": code},
+                secret_env=kw.pop("secret_env", {}),
+                compute=kw.pop("compute", ComputeSpec(cpu=0.5, memory_mb=256)),
+            ),
+            plan=CasePlan(suite_id="suite", submitted_by="alice"),
+        )
+
+    return build
+
+
+async def run(
+    target: Target,
+    req: CaseRequested,
+    records: list[LiveRecord],
+    *,
+    during: Callable[[SandboxHandle, MarkFn], Coroutine[Any, Any, None]] | None = None,
+) -> Any:
+    async def on_sandbox(handle: SandboxHandle, mark: MarkFn, _cdp: Callable[[], str | None]) -> Any:
+        target.handles.append(handle)
+        if isinstance(handle, Observed):
+            handle.observe(mark)
+        task = asyncio.create_task(during(handle, mark)) if during is not None else None
+
+        async def detach() -> None:
+            if task is not None:
+                await task
+
+        return detach
+
+    return await execute_case(
+        req, target.backend, live=_RecordingLive(records), on_release=lambda: None, on_sandbox=on_sandbox,
+        sample_interval_s=0.5,
+    )  # fmt: skip
+
+
+def marks(records: list[LiveRecord]) -> list[Infra]:
+    return [r[1] for r in records if r[0] == "infra"]
+
+
+def log_text(records: list[LiveRecord]) -> str:
+    return "\n".join(v[1] for k, v in records if k == "log")
+
+
+async def test_success_grades_in_the_sandbox_and_releases(target: Target, make: Callable[..., CaseRequested]) -> None:
+    code = f"""
+import os, sys
+print("run", os.environ["EVALBUS_RUN_ID"], "secret", os.environ.get("API_KEY") == {SECRET!r})
+print("on stderr", file=sys.stderr)
+open("answer.txt", "w").write(sys.stdin.read())
+print('EVALBUS_RESULT {{"answer": "42"}}')
+"""
+    req = make(
+        code, secret_env={"API_KEY": "api-key"}, graders=(TestsPassGrader(id="t", command="grep -q 7 answer.txt"),)
+    )
+    records: list[LiveRecord] = []
+    done = await run(target, req, records)
+    assert done.status == "succeeded", done.result.failure
+    assert done.result.answer == "42"
+    assert isinstance(done.result.scores[0], Measured)
+    assert done.result.scores[0].passed
+    text = log_text(records)
+    assert f"run {req.run_id} secret True" in text
+    assert "on stderr" in text
+    assert SECRET not in text
+    events = [m.event for m in marks(records)]
+    assert events[0] == "accepted"
+    assert events[-1] == "released"
+    assert "placed" in events
+    if target.cluster:
+        assert "scheduled" in events
+        assert "submitted" in events
+    assert target.gone is None or await target.gone()
+
+
+async def test_nonzero_exit_fails_with_the_log_tail(target: Target, make: Callable[..., CaseRequested]) -> None:
+    req = make("import sys\nprint('boom on stderr', file=sys.stderr)\nsys.exit(3)\n")
+    done = await run(target, req, [])
+    failure = done.result.failure
+    assert failure is not None
+    assert failure.code == "exit_nonzero"
+    assert done.result.exit_code == 3
+    assert "boom on stderr" in (failure.log_tail or "")
+
+
+async def test_timeout_kills_the_harness(target: Target, make: Callable[..., CaseRequested]) -> None:
+    req = make("import time\nprint('sleeping', flush=True)\ntime.sleep(60)\n", timeout_s=1.0)
+    done = await run(target, req, [])
+    failure = done.result.failure
+    assert failure is not None
+    assert failure.code == "timeout"
+    assert done.result.exit_code == 124
+
+
+async def test_logs_while_running_then_exec_and_shell(target: Target, make: Callable[..., CaseRequested]) -> None:
+    records: list[LiveRecord] = []
+    seen: dict[str, Any] = {}
+
+    async def during(handle: SandboxHandle, _mark: MarkFn) -> None:
+        await eventually(lambda: "tick 1" in log_text(records), timeout_s=60, what="the live log while it runs")
+        assert isinstance(handle, Interactive)
+        seen["exec"] = await handle.exec_live("echo from-exec; ls harness.py", 30, cap_bytes=4096)
+        out: list[bytes] = []
+
+        async def collect(data: bytes) -> None:
+            out.append(data)
+
+        shell = await handle.open_shell(80, 24, collect)
+        shell.write(b"KEPT=state-42\n")
+        shell.write(b"echo kept:$KEPT\n")
+        await eventually(lambda: b"kept:state-42" in b"".join(out), timeout_s=30, what="the shell keeps its state")
+        shell.write(b"touch go; exit\n")
+        seen["shell"] = await shell.wait()
+
+    done = await run(target, make(WAIT_FOR_GO), records, during=during)
+    assert done.status == "succeeded", done.result.failure
+    assert done.result.answer == "went"
+    live_exec = seen["exec"]
+    assert live_exec.exit_code == 0
+    assert "from-exec" in live_exec.stdout
+    assert "harness.py" in live_exec.stdout
+
+
+async def test_cancel_kills_and_releases(target: Target, make: Callable[..., CaseRequested]) -> None:
+    records: list[LiveRecord] = []
+    task = asyncio.create_task(run(target, make(WAIT_FOR_GO), records))
+    await eventually(lambda: "tick 1" in log_text(records), timeout_s=60, what="the harness to run")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert target.gone is None or await target.gone()
+    if target.fake is not None:
+        assert target.fake.deletions[-1][1] == "Background"
+
+
+# ---------------------------------------------------------------- orchestrator scenarios
+
+
+async def test_image_pull_failure_fails_fast_with_evidence(cluster: Target, make: Callable[..., CaseRequested]) -> None:
+    req = make("print('never')", compute=ComputeSpec(image="evalbus/no-such-image:0", cpu=0.5, memory_mb=256))
+    done = await run(cluster, req, [])
+    failure = done.result.failure
+    assert failure is not None
+    assert failure.code == "spawn_failed"
+    assert "ErrImagePull" in failure.message or "ImagePullBackOff" in failure.message
+    evidence = "\n".join(m.message for m in failure.placement.events if m.event == "pod")
+    assert "Failed to pull image" in evidence or "ErrImagePull" in evidence
+    assert cluster.gone is None or await cluster.gone()  # the Job is deleted; the evidence stayed
+
+
+async def test_oom_kill_is_read_from_the_container_status(cluster: Target, make: Callable[..., CaseRequested]) -> None:
+    hog = (
+        "import time\nblocks = []\nwhile True:\n    blocks.append(bytearray(16 * 1024 * 1024))\n    time.sleep(0.01)\n"
+    )
+    done = await run(cluster, make(hog, compute=ComputeSpec(cpu=0.5, memory_mb=96)), [])
+    failure = done.result.failure
+    assert failure is not None
+    assert failure.code == "oom", failure
+    assert done.result.exit_code == 137
+
+
+async def test_blocked_then_placed(cluster: Target, make: Callable[..., CaseRequested]) -> None:
+    if cluster.fake is None:
+        pytest.skip("needs a cluster the test can add a node to (the fake)")
+    fake = cluster.fake
+    fake.add_node("node-b", cpu=1, memory="1Gi", zone="b")
+    in_zone_b = ComputeSpec(cpu=1, memory_mb=256, node_selector={"zone": "b"})
+    first: list[LiveRecord] = []
+    holder = asyncio.create_task(run(cluster, make(WAIT_FOR_GO, case_id="holder", compute=in_zone_b), first))
+    await eventually(lambda: "tick 1" in log_text(first), timeout_s=60, what="the first case to hold node-b")
+    records: list[LiveRecord] = []
+    waiting = asyncio.create_task(
+        run(cluster, make("print('placed at last')", case_id="waiter", compute=in_zone_b), records)
+    )
+
+    def blocked() -> bool:
+        return any(m.event == "waiting" and "Insufficient cpu" in m.message for m in marks(records))
+
+    await eventually(blocked, timeout_s=30, what="a blocked mark with the scheduler's message")
+    fake.add_node("node-b2", cpu=1, memory="1Gi", zone="b")
+    done = await waiting
+    assert done.status == "succeeded", done.result.failure
+    assert done.result.answer == "placed at last"
+    scheduled = [m.message for m in marks(records) if m.event == "scheduled"]
+    assert len(scheduled) == 1
+    assert "node-b2" in scheduled[0]
+    holding = cluster.handles[0]
+    assert isinstance(holding, Interactive)
+    await holding.exec_live("touch go", 30, cap_bytes=1024)
+    assert (await holder).status == "succeeded"
+
+
+async def test_a_case_no_node_can_fit_fails_at_once(cluster: Target, make: Callable[..., CaseRequested]) -> None:
+    done = await run(cluster, make("print(1)", compute=ComputeSpec(cpu=512, memory_mb=256)), [])
+    failure = done.result.failure
+    assert failure is not None
+    assert failure.code == "unschedulable"
+    assert not failure.retryable
+    assert "cpu=512" in failure.message
+
+
+# ---------------------------------------------------------------- settings
+
+
+async def test_settings_select_the_kubernetes_backend_from_a_kubeconfig(tmp_path: Path) -> None:
+    async with FakeKubernetes() as fake:
+        fake.add_node("node-a", cpu=2, memory="2Gi")
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            "apiVersion: v1\nkind: Config\ncurrent-context: fake\n"
+            f"clusters: [{{name: fake, cluster: {{server: '{fake.url}'}}}}]\n"
+            "users: [{name: me, user: {token: not-a-real-token}}]\n"
+            "contexts: [{name: fake, context: {cluster: fake, user: me}}]\n"
+        )
+        environ = {"DISPATCHER_BACKEND": "kubernetes", "KUBECONFIG": str(kubeconfig), "DISPATCHER_SLOTS": "3"}
+        settings = load_settings(DispatcherSettings, "dispatcher", environ)
+        backend = kubernetes_backend(settings)
+        try:
+            assert backend.template.namespace == "evalbus"
+            assert backend.access.headers == {"Authorization": "Bearer not-a-real-token"}
+            assert backend.capacity().total == 3
+            assert await backend.room(ComputeSpec(cpu=0.5, memory_mb=256)) == 4  # 2 CPUs / 0.5
+        finally:
+            await backend.close()
+        assert fake.violations == []
+    with pytest.raises(SettingsError, match="backend"):
+        load_settings(DispatcherSettings, "dispatcher", {"DISPATCHER_BACKEND": "nomad-ish"})
