@@ -28,8 +28,7 @@ from evalbus_contracts import (
     decode_event,
     encode,
 )
-from evalbus_gateway.api.datasets import DatasetUploaded
-from evalbus_gateway.api.models import ErrorBody
+from evalbus_gateway.api.models import DatasetUploaded, ErrorBody
 from evalbus_gateway.testing import RunningGateway, batch_spec, member, running_gateway
 from evalbus_runtime.objects import get_object
 

@@ -1,5 +1,6 @@
 """`evalbus run <suite.yaml>`: submit a suite through the gateway, show a progress bar per stage
-from the batch's event stream, then print the scorecard (`--json`: one JSON line instead).
+from the batch's event stream, then print the scorecard (`--json`: one JSON line instead). A suite
+whose cases are too large to ride in the batch is uploaded as a dataset first (`evalbus.cli.upload`).
 
 Exit codes: 0 the batch finalized `succeeded` (whatever the verdicts), 1 it failed or was
 cancelled (or the gateway could not be reached), 2 bad input (the suite file or the spec, each
@@ -31,6 +32,14 @@ from evalbus.cli.gates import GateOptionError, ReportFiles, add_gate_options, re
 from evalbus.cli.progress import BatchProgress
 from evalbus.cli.scorecard import json_line
 from evalbus.cli.suite_file import SpecFileError, load_suite
+from evalbus.cli.upload import (
+    DEFAULT_INLINE_LIMIT,
+    UploadProgress,
+    UploadSettingError,
+    inline_limit,
+    needs_upload,
+    offload_cases,
+)
 from evalbus_contracts import BatchSpec
 from evalbus_gateway.client import ApiRequestError, GatewayClient
 
@@ -65,11 +74,17 @@ async def submit_and_follow(
     json_output: bool,
     no_wait: bool,
     files: ReportFiles = ReportFiles(),  # noqa: B008 - frozen, never mutated
+    inline_max_bytes: int = DEFAULT_INLINE_LIMIT,
 ) -> int:
-    """Submit `spec`, follow it and print the outcome; the exit code."""
+    """Submit `spec`, follow it and print the outcome; the exit code. Cases that encode to more
+    than `inline_max_bytes` bytes are uploaded as a dataset first (`evalbus.cli.upload`)."""
     async with GatewayClient(target.url, target.token) as client:
         try:
-            accepted = await client.submit(spec)
+            submitted = spec
+            if needs_upload(spec, inline_max_bytes):
+                progress_bar = UploadProgress(len(spec.suite.cases), quiet=json_output)
+                submitted = await offload_cases(client, spec, progress_bar)
+            accepted = await client.submit(submitted)
         except ApiRequestError as e:
             code, message = api_failure(e, "submitting the batch failed")
             error_line(message)
@@ -111,11 +126,20 @@ def run(args: argparse.Namespace) -> int:
     except GateOptionError as e:
         error_line(f"evalbus run: --gate {e.expression!r} is not a valid gate: {e.message}")
         return EXIT_BAD_INPUT
+    try:
+        limit = inline_limit()
+    except UploadSettingError as e:
+        error_line(f"evalbus run: {e}")
+        return EXIT_BAD_INPUT
     target = resolve_target("run", args.dir, args.gateway, args.token)
     if target is None:
         return EXIT_NOT_SUCCEEDED
     try:
         files = ReportFiles.of(args)
-        return asyncio.run(submit_and_follow(spec, target, json_output=args.json, no_wait=args.no_wait, files=files))
+        return asyncio.run(
+            submit_and_follow(
+                spec, target, json_output=args.json, no_wait=args.no_wait, files=files, inline_max_bytes=limit
+            )
+        )
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

@@ -14,7 +14,7 @@ drops before `end`, so no event is lost or repeated.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
 from typing import Any, Literal, NamedTuple, TypeVar
 from urllib.parse import quote
 
@@ -24,7 +24,15 @@ import msgspec
 from evalbus_contracts import BatchSpec, Event, JudgeSpec, OnlineSuiteSpec, decode, decode_event, encode
 from evalbus_gateway.api.actions import ExecBody, ExecView, ScreenView, TicketView
 from evalbus_gateway.api.compare import BaselineRequest, BaselineView
-from evalbus_gateway.api.models import BatchAccepted, BatchPage, CancelAccepted, CasePage, ErrorBody, Me
+from evalbus_gateway.api.models import (
+    BatchAccepted,
+    BatchPage,
+    CancelAccepted,
+    CasePage,
+    DatasetUploaded,
+    ErrorBody,
+    Me,
+)
 from evalbus_gateway.api.online import (
     ObservationAnswer,
     OnlineStats,
@@ -183,6 +191,23 @@ class GatewayClient:
         """Submit a batch (`batch.requested` is published)."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         return await self._call("POST", "/v1/batches", BatchAccepted, body=spec, headers=headers)
+
+    async def upload_dataset(self, blocks: AsyncIterable[bytes], *, read_timeout_s: float = 300.0) -> DatasetUploaded:
+        """Upload a dataset (JSONL, one case per line) as it is produced, in one chunked request;
+        the reference to name it by in `suite.dataset_ref`. Only the gaps between chunks are timed
+        (a large upload takes as long as it takes)."""
+        headers = {**self._headers, "Content-Type": "application/x-ndjson"}
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._timeout.total, sock_read=read_timeout_s)
+        try:
+            async with self._http().post(
+                self.base_url + "/v1/datasets", data=blocks, headers=headers, timeout=timeout
+            ) as resp:
+                payload = await resp.read()
+                if resp.status >= 400:
+                    raise _error(resp.status, payload)
+        except aiohttp.ClientError as e:
+            raise ApiRequestError(0, "unreachable", f"POST /v1/datasets: {type(e).__name__}: {e}") from e
+        return decode(payload, DatasetUploaded)
 
     async def get(self, batch_id: str) -> BatchView:
         """A batch's status, counts, summary, export status and error."""

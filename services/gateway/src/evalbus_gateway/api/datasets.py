@@ -23,6 +23,7 @@ from nats.errors import Error as NatsError
 from evalbus_contracts import DatasetIndex, ObjectRef, SuiteSpec, decode, encode
 from evalbus_contracts.streams import DATASETS
 from evalbus_gateway.api.errors import ApiError
+from evalbus_gateway.api.models import DatasetUploaded
 from evalbus_gateway.api.table import Body, Call, Route
 from evalbus_gateway.api.validation import DatasetChecker
 from evalbus_runtime.objects import (
@@ -41,15 +42,6 @@ UPLOADED_BY = "Evalbus-Uploaded-By"
 DATASET_INDEX = "Evalbus-Dataset-Index"
 """Object meta header: the dataset's `DatasetIndex` as JSON, written once every line was checked."""
 _READ_CHUNK = 256 * 1024
-
-
-class DatasetUploaded(msgspec.Struct, frozen=True, kw_only=True):
-    """An accepted upload: what to put in `suite.dataset_ref`, and what the gateway read in it."""
-
-    dataset_ref: ObjectRef
-    """The reference a batch names the dataset by (`suite.dataset_ref`)."""
-    index: DatasetIndex
-    """The distinct cases (and objective metrics) it holds."""
 
 
 def new_dataset_name() -> str:

@@ -10,6 +10,7 @@ from typing import Literal
 
 import msgspec
 
+from evalbus_contracts import DatasetIndex, ObjectRef
 from evalbus_gateway.store.queries import BatchStatus, BatchView, RunView
 
 Role = Literal["admin", "member"]
@@ -46,6 +47,15 @@ class BatchLinks(msgspec.Struct, frozen=True, kw_only=True):
     """Its events as server-sent events."""
     cancel: str
     """POST here to cancel it."""
+
+
+class DatasetUploaded(msgspec.Struct, frozen=True, kw_only=True):
+    """`POST /v1/datasets`: the upload was checked and stored."""
+
+    dataset_ref: ObjectRef
+    """The reference a batch names the dataset by (`suite.dataset_ref`)."""
+    index: DatasetIndex
+    """What the gateway read in it: distinct cases and objective metrics."""
 
 
 class BatchAccepted(msgspec.Struct, frozen=True, kw_only=True):
