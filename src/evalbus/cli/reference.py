@@ -26,6 +26,7 @@ import msgspec.inspect as mi
 from evalbus.cli.suite_file import SuiteFile
 from evalbus_contracts import GraderSpec, JudgeSpec, SinkSpec, TraceEvent
 from evalbus_contracts.specs import COMPUTE_GRADER_KINDS
+from evalbus_contracts.worker_protocol import CaseMessage, WorkerOutput
 
 REFERENCE_DOCS: tuple[str, ...] = ("suites.md", "harness.md")
 """The docs (in the docs folder) holding generated field tables."""
@@ -43,9 +44,9 @@ _UNIONS: dict[frozenset[type], tuple[str, str]] = {
 
 def documented_structs() -> dict[str, type[msgspec.Struct]]:
     """Class name → struct, for every struct a reference doc may (and must) describe: everything a
-    suite file can hold, and every trace event kind."""
+    suite file can hold, every trace event kind, and the worker protocol's messages."""
     found: dict[str, type[msgspec.Struct]] = {}
-    for t in (mi.type_info(SuiteFile), mi.type_info(TraceEvent)):
+    for t in (mi.type_info(SuiteFile), mi.type_info(TraceEvent), mi.type_info(CaseMessage | WorkerOutput)):
         for struct in _reachable(t):
             found.setdefault(struct.cls.__name__, struct.cls)
     return found
@@ -179,6 +180,8 @@ def describe_type(t: mi.Type) -> str:
         return "null"
     if isinstance(t, mi.AnyType):
         return "any JSON value"
+    if isinstance(t, mi.RawType):
+        return "JSON object"
     if isinstance(t, mi.LiteralType):
         return "one of " + ", ".join(f"`{v}`" for v in t.values)
     if isinstance(t, mi.ListType | mi.VarTupleType | mi.SetType | mi.FrozenSetType):

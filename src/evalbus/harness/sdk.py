@@ -278,13 +278,13 @@ def _in_case(case: CaseMessage, printed: tuple[_PrintedText, ...]) -> Iterator[N
                 os.environ[key] = value
 
 
-def _answer_text(result: object) -> str:
+def _answer_text(result: object) -> str | None:
+    """The answer of a returned value (None: none given, the dispatcher falls back as for a command
+    without a result line)."""
     if isinstance(result, Answer):
         return result.text
-    if isinstance(result, str):
+    if isinstance(result, str) or result is None:
         return result
-    if result is None:
-        return ""
     return str(result)
 
 
