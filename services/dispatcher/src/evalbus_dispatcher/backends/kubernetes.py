@@ -31,7 +31,6 @@ import os
 import re
 import secrets as token
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,19 +43,11 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from evalbus_contracts import CaseRequested, PromptSnapshot, RepoSnapshot, Snapshot, batch_run_id
+from evalbus_contracts import CaseRequested, PromptSnapshot, Snapshot, batch_run_id
 from evalbus_contracts.runner import (
     JOB_ENV,
-    Done,
-    ExecDone,
-    Exited,
     RunnerCheck,
     RunnerJob,
-    SnapshotTaken,
-    Started,
-    StderrLine,
-    StdoutLine,
-    read_line,
 )
 from evalbus_contracts.specs import CommandGrader, ComputeSpec, ScriptScoreGrader, TestsPassGrader
 from evalbus_dispatcher.backends.base import (
@@ -70,6 +61,7 @@ from evalbus_dispatcher.backends.base import (
     UnitPlacement,
     UnitUsage,
 )
+from evalbus_dispatcher.backends.job_log import JobLog, LineSplitter, UnitEnd
 from evalbus_dispatcher.backends.kubernetes_exec import ApiAccess, ExecError, ExecShell, connect, exec_url, run_once
 from evalbus_dispatcher.errors import BackendError
 from evalbus_grading import ExecResult
@@ -592,20 +584,6 @@ def _api_error(what: str, e: ApiException) -> BackendError:
     return BackendError(f"{what}: {e.status} {message}", code="orchestrator_error")
 
 
-@dataclass
-class _Records:
-    """What the runner reported, from the job log."""
-
-    stdout: list[str]
-    stderr: list[str]
-    started: Started | None = None
-    exited: Exited | None = None
-    execs: deque[ExecDone] | None = None
-    snapshot: RepoSnapshot | None = None
-    done: bool = False
-    torn: int = 0
-
-
 class KubernetesSandbox:
     """One case attempt's Job and its pod."""
 
@@ -630,14 +608,13 @@ class KubernetesSandbox:
         self._placement = UnitPlacement(phase="queued", reason="the Job was submitted")
         self._seen: set[tuple[str, str, str]] = set()
         self._blocked: str | None = None
-        self._records = _Records(stdout=[], stderr=[], execs=deque())
+        self._log: JobLog | None = None
         self._released = False
         self._running = False
         self._pid: int | None = None
         self._follower: asyncio.Future[None] | None = None
         self._response: Any = None
         self._received = 0
-        self._pending = b""
 
     @property
     def unit(self) -> str | None:
@@ -746,14 +723,28 @@ class KubernetesSandbox:
             await asyncio.sleep(self._backend.poll_s)
         self._running = placement.phase == "running"
         ran_from = time.monotonic()
-        spec = runner_job(self._job, run_of(self._job))
-        await self._follow(on_output, on_spawn, spec.timeout_s + sum(c.timeout_s for c in spec.checks) + 120.0)
-        final = await self._settled()
-        await self._catch_up(on_output, on_spawn)
-        self._running = False
-        return self._result(final, time.monotonic() - ran_from)
 
-    async def _follow(self, on_output: OnOutput, on_spawn: OnSpawn | None, read_timeout_s: float) -> None:
+        async def spawned(pid: int) -> None:
+            self._pid = pid
+            if on_spawn is not None:
+                await on_spawn(pid)
+
+        job_log = self._log = JobLog(on_output, spawned)
+        spec = runner_job(self._job, run_of(self._job))
+        lines = LineSplitter()
+        await self._follow(job_log, lines, spec.timeout_s + sum(c.timeout_s for c in spec.checks) + 120.0)
+        final = await self._settled()
+        await self._catch_up(job_log, lines)
+        self._running = False
+        end = UnitEnd(
+            exit_code=final.exit_code,
+            reason=final.reason,
+            oom=final.oom if final.phase == "dead" else None,
+            timed_out=bool(final.reason and final.reason.startswith("DeadlineExceeded")),
+        )
+        return job_log.harness_run(end, time.monotonic() - ran_from)
+
+    async def _follow(self, job_log: JobLog, lines: LineSplitter, read_timeout_s: float) -> None:
         """The container's log while it runs, decoded line by line as it comes (whole lines only:
         the rest waits for `_catch_up`)."""
         backend = self._backend
@@ -775,21 +766,17 @@ class KubernetesSandbox:
                 loop.call_soon_threadsafe(chunks.put_nowait, None)
 
         self._follower = loop.run_in_executor(backend._pool, read)
-        pending = b""
         while (chunk := await chunks.get()) is not None:
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            for raw in lines:
-                self._received += len(raw) + 1
-                await self._line(raw.decode("utf-8", errors="replace").removesuffix("\r"), on_output, on_spawn)
+            before = len(lines.rest)
+            for line in lines.push(chunk):
+                await job_log.line(line)
+            self._received += before + len(chunk) - len(lines.rest)
         await self._follower
-        self._pending = pending
 
-    async def _catch_up(self, on_output: OnOutput, on_spawn: OnSpawn | None) -> None:
+    async def _catch_up(self, job_log: JobLog, lines: LineSplitter) -> None:
         """What following missed (a dropped stream, the last line without a newline), from one read
         of the ended container's whole log; what was followed if the pod is gone already."""
         backend = self._backend
-        rest = self._pending
         try:
             whole = await backend.call(
                 backend.core.read_namespaced_pod_log, self._pod, backend.template.namespace, container=CONTAINER,
@@ -797,47 +784,13 @@ class KubernetesSandbox:
             )  # fmt: skip
             data: bytes = whole.data
             if len(data) >= self._received:
-                rest = data[self._received :]
+                lines.rest = b""  # the whole read covers the partial line again
+                for line in lines.push(data[self._received :]):
+                    await job_log.line(line)
         except (ApiException, OSError) as e:
             log.info("the whole log of %s could not be read: %s", self._pod, e)
-        self._received += len(rest)
-        self._pending = b""
-        for raw in rest.split(b"\n"):
-            if raw:
-                await self._line(raw.decode("utf-8", errors="replace").removesuffix("\r"), on_output, on_spawn)
-
-    async def _line(self, line: str, on_output: OnOutput, on_spawn: OnSpawn | None) -> None:
-        records = self._records
-        item = read_line(line)
-        if item is None:
-            records.torn += 1
-            return
-        if isinstance(item, str):
-            records.stdout.append(item)
-            await _emit(on_output, "stdout", item)
-        elif isinstance(item, StdoutLine):
-            records.stdout.append(item.text)
-            await _emit(on_output, "stdout", item.text)
-        elif isinstance(item, StderrLine):
-            records.stderr.append(item.text)
-            await _emit(on_output, "stderr", item.text)
-        elif isinstance(item, Started):
-            records.started = item
-            self._pid = item.pid
-            if on_spawn is not None:
-                try:
-                    await on_spawn(item.pid)
-                except Exception:
-                    log.exception("spawn callback failed; the run goes on")
-        elif isinstance(item, Exited):
-            records.exited = item
-        elif isinstance(item, ExecDone):
-            assert records.execs is not None
-            records.execs.append(item)
-        elif isinstance(item, SnapshotTaken):
-            records.snapshot = item.snapshot
-        elif isinstance(item, Done):
-            records.done = True
+        for line in lines.end():
+            await job_log.line(line)
 
     async def _settled(self) -> UnitPlacement:
         """The pod once its container terminated (bounded: a pod gone or stuck gives what was seen)."""
@@ -848,66 +801,17 @@ class KubernetesSandbox:
                 return placement
             await asyncio.sleep(self._backend.poll_s)
 
-    def _result(self, final: UnitPlacement, waited_s: float) -> HarnessRun:
-        records = self._records
-        stdout, stderr = "\n".join(records.stdout), "\n".join(records.stderr)
-        oom = final.oom if final.phase == "dead" else None
-        exited = records.exited
-        if exited is not None and exited.spawn_error is not None:
-            return HarnessRun(exit_code=None, stdout=stdout, stderr=stderr, spawn_error=exited.spawn_error)
-        if exited is not None:
-            return HarnessRun(
-                exit_code=exited.exit_code,
-                stdout=stdout,
-                stderr=stderr,
-                duration_s=exited.duration_s,
-                timed_out=exited.timed_out,
-                signal=exited.signal,
-                oom=oom,
-                pid=records.started.pid if records.started else None,
-            )
-        # The runner did not get to say how the harness ended: the container's status does.
-        code = final.exit_code
-        if code is None:
-            why = final.reason or "the pod ended without a status"
-            return HarnessRun(
-                exit_code=None, stdout=stdout, stderr=stderr, spawn_error=f"the runner did not report: {why}"
-            )
-        deadline = bool(final.reason and final.reason.startswith("DeadlineExceeded"))
-        return HarnessRun(
-            exit_code=124 if deadline else code,
-            stdout=stdout,
-            stderr=stderr + (f"\n[evalbus] the container ended: {final.reason}" if final.reason else ""),
-            duration_s=waited_s,
-            timed_out=deadline,
-            signal=code - 128 if code > 128 else None,
-            oom=oom,
-            pid=records.started.pid if records.started else None,
-        )
-
     async def exec(self, command: str, timeout_s: float) -> ExecResult:
         """What the runner's check gave for `command` (the job has ended: the runner ran it there)."""
         self._check_live()
-        execs = self._records.execs
-        assert execs is not None
-        for done in list(execs):
-            if done.command == command:
-                execs.remove(done)
-                return ExecResult(
-                    exit_code=done.exit_code, stdout=done.stdout, stderr=done.stderr, timed_out=done.timed_out
-                )
-        if not self._records.done:
-            why = "the job ended before the runner ran its checks"
-        else:
-            why = "the runner was not asked to run this command"
-        return ExecResult(exit_code=127, stdout="", stderr=f"[evalbus] {why}", timed_out=False)
+        if self._log is None:
+            return ExecResult(exit_code=127, stdout="", stderr="[evalbus] the job never ran", timed_out=False)
+        return self._log.exec_result(command)
 
     async def snapshot(self, answer: str) -> Snapshot:
         """The workdir's git changes the runner recorded, else the answer."""
         self._check_live()
-        if self._records.snapshot is not None:
-            return self._records.snapshot
-        return PromptSnapshot(output=answer)
+        return self._log.snapshot(answer) if self._log is not None else PromptSnapshot(output=answer)
 
     async def exec_live(
         self, command: str, timeout_s: float, *, cap_bytes: int, on_spawn: OnSpawn | None = None
