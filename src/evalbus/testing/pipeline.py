@@ -28,7 +28,7 @@ import typing
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -36,7 +36,7 @@ import asyncpg
 import msgspec
 from nats.aio.client import Client as NatsClient
 
-from evalbus.infra.nats import NatsServer, start_nats
+from evalbus.infra.nats import NatsServer, start_nats, start_nats_cluster
 from evalbus.infra.postgres import create_database, drop_database
 from evalbus.testing.stack import SERVICES, ServiceStack
 from evalbus_contracts import (
@@ -216,6 +216,8 @@ class Pipeline:
     pool: Pool
     gw: GatewayClient
     workdir: Path
+    cluster: list[NatsServer] = field(default_factory=list)
+    """Every node when the pipeline runs on a NATS cluster (`nats` is the first)."""
 
     # ------------------------------------------------------------ services
 
@@ -348,14 +350,20 @@ async def open_pipeline(
     *,
     env: Mapping[str, str] | None = None,
     service_env: Mapping[str, Mapping[str, str]] | None = None,
+    cluster: int = 0,
 ) -> AsyncIterator[Pipeline]:
     """Start a nats-server, a fresh database and the five services (all ready); stop them on exit.
+
+    `cluster`: run on a JetStream cluster of that many nodes instead (loopback, every node routing
+    to every other; the services get every node's URL and `STREAM_REPLICAS` = the node count).
 
     `env` goes to every service, `service_env` to one service each (after the defaults: judge
     plugins, text logs; the dispatcher gets the gateway token secret for harnesses).
     """
     await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
-    nats = start_nats(workdir / "nats")
+    nodes = start_nats_cluster(workdir / "nats", cluster) if cluster else [start_nats(workdir / "nats")]
+    nats = nodes[0]
+    nats_url = ",".join(node.url for node in nodes)
     database_url = ""
     stack: ServiceStack | None = None
     nc: NatsClient | None = None
@@ -363,21 +371,31 @@ async def open_pipeline(
     gw: GatewayClient | None = None
     try:
         database_url = await create_database(pg_admin_url, "evalbus_pipeline")
+        replicas = {"STREAM_REPLICAS": str(cluster)} if cluster else {}
         stack = ServiceStack(
-            nats_url=nats.url,
+            nats_url=nats_url,
             database_url=database_url,
             workdir=workdir,
-            env={"JUDGE_PLUGINS": JUDGE_PLUGINS, "LOG_FORMAT": "text", **(env or {})},
+            env={"JUDGE_PLUGINS": JUDGE_PLUGINS, "LOG_FORMAT": "text", **replicas, **(env or {})},
         )
         per_service = {name: dict(values) for name, values in (service_env or {}).items()}
         dispatcher = per_service.setdefault("dispatcher", {})
         dispatcher.setdefault("EVALBUS_SECRET_" + GATEWAY_TOKEN_SECRET.upper().replace("-", "_"), stack.admin_token)
         stack.service_env = per_service
         await asyncio.to_thread(stack.start_all)
-        nc = await connect(nats.url, "pipeline-test")
+        nc = await connect(nats_url, "pipeline-test")
         pool = await create_pool(database_url, min_size=1, max_size=4)
         gw = GatewayClient(stack.gateway_url, stack.admin_token)
-        yield Pipeline(nats=nats, database_url=database_url, stack=stack, nc=nc, pool=pool, gw=gw, workdir=workdir)
+        yield Pipeline(
+            nats=nats,
+            database_url=database_url,
+            stack=stack,
+            nc=nc,
+            pool=pool,
+            gw=gw,
+            workdir=workdir,
+            cluster=nodes if cluster else [],
+        )
     finally:
         if gw is not None:
             await gw.close()
@@ -389,4 +407,5 @@ async def open_pipeline(
             await asyncio.to_thread(stack.stop)
         if database_url:
             await drop_database(pg_admin_url, database_url)
-        nats.stop()
+        for node in nodes:
+            node.stop()

@@ -61,9 +61,11 @@ class ServiceStack:
     otlp_port: int = 0
     """The collector's OTLP/HTTP receiver port (picked at its first start)."""
     _starts: int = 0
+    _otlp_ports: dict[str, int] = field(default_factory=dict)
 
     def start(self, name: str, *, wait: bool = True, **extra_env: str) -> ServiceProc:
-        """Start (or restart) service `name`; wait until `/readyz` answers 200."""
+        """Start (or restart) service `name`; wait until `/readyz` answers 200. `judge@2` is
+        another replica of the judge (the part before `@` names the service)."""
         old = self.procs.get(name)
         if old is not None and old.process.poll() is None:
             raise RuntimeError(f"{name} is already running")
@@ -73,7 +75,8 @@ class ServiceStack:
         self._starts += 1
         log_path = self.workdir / f"{name}-{self._starts}.log"
         log_file = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        if name == "collector" and not self.otlp_port:
+        module = name.split("@", 1)[0]
+        if module == "collector" and not self.otlp_port:
             self.otlp_port = self._new_port()
         env = {
             **os.environ,
@@ -89,10 +92,11 @@ class ServiceStack:
             **self.service_env.get(name, {}),
             **extra_env,
         }
-        if name == "collector":
-            env["COLLECTOR_OTLP_PORT"] = str(self.otlp_port)
+        if module == "collector":  # a replica gets a receiver of its own
+            otlp = self.otlp_port if name == "collector" else self._otlp_ports.setdefault(name, self._new_port())
+            env["COLLECTOR_OTLP_PORT"] = str(otlp)
         proc = subprocess.Popen(
-            [sys.executable, "-m", f"evalbus_{name}"],
+            [sys.executable, "-m", f"evalbus_{module}"],
             env=env,
             stdout=log_file,
             stderr=subprocess.STDOUT,
@@ -106,7 +110,7 @@ class ServiceStack:
 
     def _new_port(self) -> int:
         # Services started together could be handed the same free port before either binds it.
-        taken = {sp.port for sp in self.procs.values()} | {self.otlp_port}
+        taken = {sp.port for sp in self.procs.values()} | {self.otlp_port, *self._otlp_ports.values()}
         while (port := free_port()) in taken:
             pass
         return port
