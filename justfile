@@ -66,9 +66,14 @@ bench:
     files=(bench/*.py)
     if [ ${#files[@]} -eq 0 ]; then echo "no benchmark in bench/"; exit 0; fi
     for f in "${files[@]}"; do
-      case "$(basename "$f")" in _*|plugins.py) continue;; esac
+      case "$(basename "$f")" in _*|plugins.py|soak.py) continue;; esac
       echo "== $f"; {{run}} python "$f"
     done
+
+# The soak: a steady stream of cases for 30 minutes (RSS, sizes, p50/p99 per minute; table, JSON and a
+# PNG chart in bench/results/); `just soak --minutes 5 --baseline-min 1` for a short one.
+soak *args:
+    {{run}} --group bench python bench/soak.py --check {{args}}
 
 # The reliability suite: every fault scenario as one table (lost, duplicated, stall); exit 1 on a miss.
 reliability *args:
@@ -81,7 +86,7 @@ bench-check:
     shopt -s nullglob
     failed=()
     for f in bench/*.py; do
-      case "$(basename "$f")" in _*|plugins.py) continue;; esac
+      case "$(basename "$f")" in _*|plugins.py|soak.py) continue;; esac
       echo "== $f --check"
       {{run}} python "$f" --check || failed+=("$f")
     done
