@@ -41,7 +41,12 @@ test-fast *args:
 # The backend behaviour suite against a real Kubernetes cluster (docs/backends.md): kubeconfig, case image, namespace.
 test-backends-live kubeconfig image="evalbus/case:latest" namespace="default" *args:
     EVALBUS_TEST_KUBECONFIG={{kubeconfig}} EVALBUS_TEST_IMAGE={{image}} EVALBUS_TEST_NAMESPACE={{namespace}} \
-      {{run}} python -m pytest services/dispatcher/tests/test_backend_behaviour.py -k "live" {{args}}
+      {{run}} python -m pytest services/dispatcher/tests/test_backend_behaviour.py -k "kubernetes-live" {{args}}
+
+# The same suite against a real Nomad agent (e.g. `nomad agent -dev` with the docker driver): address, case image.
+test-backends-live-nomad addr image="evalbus/case:latest" *args:
+    EVALBUS_TEST_NOMAD_ADDR={{addr}} EVALBUS_TEST_IMAGE={{image}} \
+      {{run}} python -m pytest services/dispatcher/tests/test_backend_behaviour.py -k "nomad-live" {{args}}
 
 # ruff (lint and format check) and mypy --strict.
 lint:

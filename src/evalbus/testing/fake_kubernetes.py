@@ -244,9 +244,11 @@ class FakeKubernetes:
 
     # ------------------------------------------------------------ test controls
 
-    def add_node(self, name: str, *, cpu: float = 4, memory: str = "8Gi", gpus: int = 0, **labels: str) -> None:
+    def add_node(
+        self, name: str, *, cpu: float = 4, memory: str = "8Gi", gpus: int = 0, labels: Mapping[str, str] | None = None
+    ) -> None:
         """A node joins (pods waiting for room are scheduled again)."""
-        self.nodes[name] = FakeNode(name=name, cpu=cpu, memory=quantity(memory), gpus=gpus, labels=labels)
+        self.nodes[name] = FakeNode(name=name, cpu=cpu, memory=quantity(memory), gpus=gpus, labels=dict(labels or {}))
         self._notify()
 
     def add_secret(self, name: str, data: Mapping[str, str], namespace: str = "evalbus") -> None:
@@ -797,9 +799,9 @@ class FakeKubernetes:
             return
         cap = quantity(limit)
         while True:
-            if _tree_rss(pod.process.pid) > cap:
+            if tree_rss(pod.process.pid) > cap:
                 pod.oom_killed = True
-                _kill_tree(pod.process.pid)
+                kill_tree(pod.process.pid)
                 return
             await asyncio.sleep(0.05)
 
@@ -810,11 +812,11 @@ class FakeKubernetes:
         await asyncio.sleep(seconds)
         pod.deadline_killed = True
         self._event(pod, "Killing", f"Stopping container {pod.container['name']}", source="kubelet")
-        _kill_tree(pod.process.pid)
+        kill_tree(pod.process.pid)
 
     async def _stop(self, pod: FakePod) -> None:
         if pod.process is not None and pod.process.returncode is None:
-            _kill_tree(pod.process.pid)
+            kill_tree(pod.process.pid)
         for task in pod.tasks:
             task.cancel()
         await asyncio.gather(*pod.tasks, return_exceptions=True)
@@ -854,12 +856,12 @@ def _tree(root: int, procs: dict[int, tuple[int, int]]) -> list[int]:
     return found
 
 
-def _tree_rss(root: int) -> int:
+def tree_rss(root: int) -> int:
     procs = _processes()
     return sum(procs[pid][1] for pid in _tree(root, procs))
 
 
-def _kill_tree(root: int) -> None:
+def kill_tree(root: int) -> None:
     """SIGKILL a container's processes (every process group under its first process)."""
     procs = _processes()
     groups = set()

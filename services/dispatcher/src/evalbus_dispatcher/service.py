@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import aiohttp
 import nats.errors
@@ -45,6 +45,7 @@ from evalbus_contracts.streams import DISPATCHER_BATCHES, DISPATCHER_CASES, LIVE
 from evalbus_dispatcher.backends.base import Mark, Observed, SandboxHandle
 from evalbus_dispatcher.backends.kubernetes import JobTemplate, KubernetesBackend, connect_cluster
 from evalbus_dispatcher.backends.local import LocalBackend, sweep_orphans
+from evalbus_dispatcher.backends.nomad import NomadBackend, NomadTemplate, connect_nomad
 from evalbus_dispatcher.cancellation import cancelled_execution
 from evalbus_dispatcher.control import LiveControls
 from evalbus_dispatcher.execute import Queued, execute_case, run_id_of
@@ -74,6 +75,8 @@ CancelReason = Literal["cancelled", "superseded"]
 class DispatcherSettings(ServiceSettings):
     """Settings of the dispatcher (`DISPATCHER_<KEY>`, then `<KEY>`)."""
 
+    SECRET_FIELDS: ClassVar[frozenset[str]] = ServiceSettings.SECRET_FIELDS | {"nomad_token"}
+
     slots: int = os.cpu_count() or 2
     """Compute slots: sandboxes at once on this replica."""
     retry_backoff_s: float = 1.0
@@ -88,8 +91,8 @@ class DispatcherSettings(ServiceSettings):
     """Seconds between two writes of the replica's status when nothing changes."""
     terminal_ping_s: float = TERMINAL_PING_S
     """Seconds between a live terminal's keep-alives (a client silent for three is gone)."""
-    backend: Literal["local", "kubernetes"] = "local"
-    """Where cases run: this machine, or a Kubernetes Job per case attempt (docs/backends.md)."""
+    backend: Literal["local", "kubernetes", "nomad"] = "local"
+    """Where cases run: this machine, a Kubernetes Job or a Nomad batch job per case attempt (docs/backends.md)."""
     namespace: str = "evalbus"
     """Kubernetes namespace the case Jobs are made in."""
     image: str = "evalbus/case:latest"
@@ -101,7 +104,17 @@ class DispatcherSettings(ServiceSettings):
     cluster_poll_s: float = 1.0
     """Seconds between two reads of a starting or running pod and its events."""
     start_timeout_s: float = 600.0
-    """How long a case's pod may stay unscheduled or starting before the run fails."""
+    """How long a case's pod or allocation may stay unscheduled or starting before the run fails."""
+    nomad_addr: str = "http://127.0.0.1:4646"
+    """Nomad's HTTP API (`DISPATCHER_NOMAD_ADDR`, then `NOMAD_ADDR`)."""
+    nomad_token: str | None = None
+    """Nomad ACL token (`DISPATCHER_NOMAD_TOKEN`, then `NOMAD_TOKEN`); redacted in logs."""
+    nomad_namespace: str = "default"
+    """Nomad namespace of the case jobs."""
+    nomad_driver: Literal["docker", "raw_exec", "exec"] = "docker"
+    """Task driver of the case jobs (`docker` runs the case image)."""
+    nomad_variables_prefix: str = "evalbus/secrets"
+    """Nomad Variables path a harness's secret name is read under (`<prefix>/<name>`, item `value`)."""
 
 
 class LiveBus:
@@ -305,6 +318,24 @@ def kubernetes_backend(settings: DispatcherSettings) -> KubernetesBackend:
     )
 
 
+def nomad_backend(settings: DispatcherSettings) -> NomadBackend:
+    """The Nomad backend the settings describe."""
+    template = NomadTemplate(
+        image=settings.image,
+        namespace=settings.nomad_namespace,
+        driver=settings.nomad_driver,
+        variables_prefix=settings.nomad_variables_prefix,
+        start_timeout_s=settings.start_timeout_s,
+    )
+    return connect_nomad(
+        template,
+        address=settings.nomad_addr,
+        token_value=settings.nomad_token,
+        slots=settings.slots,
+        poll_s=settings.cluster_poll_s,
+    )
+
+
 def observed(handle: SandboxHandle, mark: Mark) -> SandboxHandle:
     """`handle`, reporting its orchestrator's placement to the run's marks when it has one."""
     if isinstance(handle, Observed):
@@ -321,7 +352,11 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         secrets=secrets,
         adopt_orphans=True,
     )
-    cluster = kubernetes_backend(settings) if settings.backend == "kubernetes" else None
+    cluster: KubernetesBackend | NomadBackend | None = None
+    if settings.backend == "kubernetes":
+        cluster = kubernetes_backend(settings)
+    elif settings.backend == "nomad":
+        cluster = nomad_backend(settings)
     puller = PlatformTracePuller(secrets)
     cancels = Cancellations()
     presence = Presence(
