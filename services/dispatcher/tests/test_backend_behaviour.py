@@ -288,6 +288,9 @@ print('EVALBUS_RESULT {{"answer": "42"}}')
     assert events[-1] == "released"
     assert "placed" in events
     if target.cluster:
+        placed = next(m for m in marks(records) if m.event == "placed")
+        assert placed.node is not None
+        assert placed.node in placed.message
         assert "scheduled" in events
         assert "submitted" in events
     assert target.gone is None or await target.gone()
@@ -365,6 +368,7 @@ async def test_image_pull_failure_fails_fast_with_evidence(cluster: Target, make
     assert re.search("ErrImagePull|ImagePullBackOff|Failed to pull", failure.message), failure.message
     evidence = "\n".join(m.message for m in failure.placement.events if m.event in ("pod", "task"))
     assert "Failed to pull" in evidence
+    assert failure.placement.node is not None
     assert cluster.gone is None or await cluster.gone()  # the Job is deleted; the evidence stayed
 
 

@@ -284,6 +284,7 @@ class _Execution:
 
         async def spawned(pid: int) -> None:
             self._unit = handle.unit or f"pid:{pid}"
+            self._node = handle.node or self._node  # a cluster backend knows it once the unit is placed
             where = f" on {self._node}" if self._node else ""
             what = f"worker {pid} took the case" if req.harness.kind == "worker" else f"process group {pid} started"
             await self._mark(tee, "placed", f"{what}{where}")
@@ -296,6 +297,7 @@ class _Execution:
             self._sample = await sampler.finish(ran)
         run = ran
         self._unit = handle.unit or self._unit
+        self._node = handle.node or self._node
         held = _InSandbox(run=run, t_end=started_t + run.duration_s)
         if run.spawn_error is not None:
             held.failure = self._failure("run", "config", "spawn_failed", run.spawn_error)
