@@ -344,6 +344,13 @@ async def test_a_live_runs_screen_and_terminal_in_the_browser(
     size = f"{await widget.get_attribute('data-rows')} {await widget.get_attribute('data-cols')}"
     await expect(terminal_rows(page, size)).to_have_count(1, timeout=20_000)
     await shot(page, "08-run-screen-terminal")
+    # The reader closes it and opens another: a new shell, the old one's state gone with it.
+    await page.get_by_test_id("close-shell").click()
+    await expect(page.get_by_test_id("terminal-state")).to_have_text("Shell ended: the reader closed it.")
+    await page.get_by_test_id("open-shell").click()
+    await expect(page.get_by_test_id("terminal-state")).to_have_attribute("data-state", "attached", timeout=30_000)
+    await page.keyboard.type("echo $((6 * 7)) $OLDPWD.\n")
+    await expect(terminal_rows(page, "42 .")).to_have_count(1, timeout=20_000)
 
     # The run finishes: its sandbox is released, the shell ends with it, and the widget says so.
     go.touch()

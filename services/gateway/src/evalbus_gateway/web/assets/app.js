@@ -264,7 +264,10 @@ async function batchView(batchId) {
       }, "Make it the suite's baseline") : null;
       baseline.replaceChildren(current ? `the suite's baseline is ${current.batch_id} ` : "the suite has no baseline ", make || "");
     };
-    api(`/v1/suites/${suite}/baseline`).then(render, (error) => render(error.status === 404 ? null : undefined));
+    api(`/v1/suites/${suite}/baseline`).then(render, (error) => {
+      if (error.status === 404) render(null); // none set yet
+      else baseline.replaceChildren(); // unknown: say nothing rather than something wrong
+    });
     return line;
   }
 
@@ -456,7 +459,7 @@ const SCREEN_EVERY_MS = 2000;
 function screenWidget(runId, live) {
   // a frame of the browser the run's harness drives, taken again every 2 s while the run is live
   const id = encodeURIComponent(runId);
-  const state = el("p", { class: "sub", "data-testid": "screen-state", "data-state": "loading" }, "Looking for a screen…");
+  const state = el("p", { class: "sub screen-state", "data-testid": "screen-state", "data-state": "loading" }, "Looking for a screen…");
   const image = el("img", { class: "screen", "data-testid": "screen", alt: `the screen of ${runId}`, hidden: true });
   const node = el("div", {}, state, image);
   let active = true, shown = false, why = "";
@@ -535,9 +538,16 @@ function terminalWidget(runId, live) {
   const id = encodeURIComponent(runId);
   const state = el("p", { class: "sub", "data-testid": "terminal-state", "data-state": "idle" });
   const screen = el("div", { class: "terminal", "data-testid": "terminal", hidden: true });
-  const open = el("button", { "data-testid": "open-shell", onclick: () => start() }, "Open a shell");
-  const node = el("div", {}, el("div", { class: "actions" }, open, state), screen);
+  // Pressing these leaves the focus in the terminal: xterm.js clears its input element on blur, and
+  // the page was seen to scroll between the press and the release, so the click was lost.
+  const keepFocus = (event) => event.preventDefault();
+  const open = el("button", { "data-testid": "open-shell", onmousedown: keepFocus, onclick: () => start() }, "Open a shell");
+  const close = el("button", {
+    "data-testid": "close-shell", hidden: true, onmousedown: keepFocus, onclick: () => end("the reader closed it"),
+  }, "Close the shell");
+  const node = el("div", {}, el("div", { class: "actions" }, open, close, state), screen);
   let session = null;
+  let shown = null; // the last terminal drawn: kept on screen after its shell ended, replaced by the next
 
   function note(kind, text) {
     state.dataset.state = kind;
@@ -559,6 +569,7 @@ function terminalWidget(runId, live) {
     if (!session) return;
     const { term, socket, observer } = session;
     session = null;
+    close.hidden = true;
     observer.disconnect();
     term.options.disableStdin = true;
     term.options.cursorBlink = false;
@@ -587,12 +598,14 @@ function terminalWidget(runId, live) {
       return note("error", `No shell: ${error.message}`);
     }
     screen.hidden = false;
+    shown?.dispose();
     screen.replaceChildren();
     const term = new window.Terminal({
       cursorBlink: true, fontSize: 13, scrollback: 2000, convertEol: false,
       fontFamily: "ui-monospace, SFMono-Regular, Menlo, Consolas, monospace",
       theme: { background: "#10141c", foreground: "#d9dee8" },
     });
+    shown = term;
     const fit = new window.FitAddon.FitAddon();
     term.loadAddon(fit);
     term.open(screen);
@@ -621,6 +634,7 @@ function terminalWidget(runId, live) {
       try { frame = JSON.parse(message.data); } catch (_) { return; }
       if (frame.type === "attached") {
         note("attached", `Connected: ${frame.shell || "a shell"} in the run's sandbox.`);
+        close.hidden = false;
         term.focus();
       } else if (frame.type === "closed") {
         closing = frame.exit_code !== null && frame.exit_code !== undefined ? `${frame.reason} (exit code ${frame.exit_code})` : frame.reason;
@@ -630,7 +644,7 @@ function terminalWidget(runId, live) {
       if (session !== mine) return;
       end(closing || event.reason || CLOSE_REASONS[event.code] || `the connection closed (${event.code})`);
     });
-    leaving.add(() => { if (session === mine) end("the reader left the page"); term.dispose(); });
+    leaving.add(() => { if (session === mine) end("the reader left the page"); if (shown === term) term.dispose(); });
   }
 
   idle();
