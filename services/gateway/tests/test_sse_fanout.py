@@ -29,7 +29,7 @@ pytestmark = pytest.mark.integration
 
 ALICE = "tok-alice"
 HEARTBEAT_S = 0.2
-BUFFER = 32
+BUFFER = 256
 """`sse_client_buffer`: frames a stream may fall behind before it is cut."""
 
 
@@ -121,12 +121,15 @@ async def test_many_clients_share_one_subscription_and_get_every_frame_once_in_o
         assert await metric(http, gateway, "evalbus_gateway_sse_subscriptions") == 0.0
 
 
+@pytest.mark.parametrize("ring_items", [2048, 16], ids=["kept", "replayed"])
 async def test_clients_joining_mid_stream_get_no_gap_and_no_duplicate(
-    gateway: RunningGateway, bus: tuple[NatsClient, Publisher]
+    gateway: RunningGateway, bus: tuple[NatsClient, Publisher], ring_items: int
 ) -> None:
-    """Publishes race the joins: each joiner resumes from an id another client has just seen (or
-    from nothing), replays, joins the shared feed while it is being fed, and must see exactly the
-    batch's events after its resume point, in order."""
+    """Publishes race the joins: each joiner resumes from the latest id published, an older one,
+    or nothing, and must see exactly the batch's events after its resume point, in order — from
+    what the shared feed kept, or (a feed keeping 16 items) a replay of the stream handed over to
+    what the feed kept and offers."""
+    gateway.state.fanout.ring_items = ring_items
     _, pub = bus
     script = new_script(150)
     events = events_of(script)
@@ -146,7 +149,7 @@ async def test_clients_joining_mid_stream_get_no_gap_and_no_duplicate(
         while len(joiners) < 8:
             at = len(seqs)
             await eventually(lambda at=at: len(seqs) >= at + step or publishing.done(), timeout_s=20, what="more")
-            resume = seqs[-1] if len(joiners) % 4 != 3 else None  # every fourth one from the start
+            resume = (seqs[-1], seqs[len(seqs) // 2], None)[len(joiners) % 3]
             joiners.append((resume, asyncio.ensure_future(follow(http, gateway, script.batch_id, resume))))
         await publishing
         everything = await asyncio.wait_for(anchor, 30)

@@ -176,10 +176,11 @@ async def stream_run(
     streams.enter()
     try:
         settled = run.view.executed_status if run.view is not None else None
-        if executed is not None and run.batch_id is not None and run.case_id is not None:
-            # Joined before the stream is asked, so a `case.executed` stored after comes through the feed.
-            await fanout.join(js, executed, watcher)
-            settled = await executed_on_stream(js, run.batch_id, run.case_id, run.run_id)
+        if executed is not None:
+            # The case's `case.executed` events so far, then each later one through the watcher.
+            joined = await fanout.join(js, executed, watcher)
+            mine = (e for e in joined.kept if isinstance(e, Executed) and e.run_id == run.run_id)
+            settled = next((e.status for e in mine), None)
         await response.prepare(request)
         await response.write(b": evalbus run " + run.run_id.encode("utf-8").replace(b"\n", b" ") + b"\n\n")
         pump = _Pump(response, js, fanout, run, live, watcher, start, render)
@@ -234,7 +235,7 @@ class _Pump:
         self.seen = self.start.seq - 1 if self.start.seq is not None else 0
         out: list[bytes] = []
         if settled is not None:  # nothing more comes: replay to the end, no feed needed
-            async for kept in replay(self.js, self.live, after=self.seen, until=await self.drain_point()):
+            async for kept in replay(self.js, self.live, after=self.seen, before=await self.drain_point() + 1):
                 out += self.frames(kept)
                 out = await self._flush(out, WRITE_BYTES)
             await self.watcher.write(self.response, b"".join(out) + end_frame(self.run.run_id, settled))

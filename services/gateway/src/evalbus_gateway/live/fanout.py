@@ -3,23 +3,23 @@ event stream that follows it.
 
 An event stream (a batch's events, a run's live log or trace) is a *watcher*: a bounded buffer of
 items the process's *feed* of those subjects offers it as they arrive. The feed is one ordered
-consumer, opened by the first watcher and torn down when the last one leaves, and each message is
-decoded (and, for a batch, framed) once, whatever the number of watchers. Nothing else is held:
-the feed is a per-process cache of the stream, so every replica answers the same.
+consumer of the subjects from their first message, opened by the first watcher and torn down
+when the last one leaves; each message is decoded (and, for a batch, framed) once, whatever the
+number of watchers, and the feed keeps the latest ones (`RING_ITEMS`, `RING_BYTES`). Nothing else
+is held: the feed is a per-process cache of the stream, so every replica answers the same.
 
-Joining is sequence-based, with no gap and no duplicate (`catch_up`):
-
-1. the watcher replays the stream from its resume point up to the subjects' last message, on an
-   ordered consumer of its own (cheap: it ends when it has caught up);
-2. it joins the feed, *then* looks up the subjects' last message again and replays up to it. Any
-   message stored after that lookup was stored after the join, so the feed offers it; any stored
-   before it has a sequence at most the one looked up, so the replay reads it;
-3. from then on the watcher reads the feed, skipping what it already has by stream sequence.
+Joining is sequence-based, with no gap and no duplicate (`catch_up`). In one step, with no await
+in between, the watcher is registered and gets the feed's kept items after its resume point and
+the sequence the feed is complete from (`covered`): every later message is offered to it, and
+every item at or after `covered` is kept or still to come. Only a resume point before `covered`
+(the feed dropped older items, or a client resuming far back) needs a replay of the stream, on a
+consumer of its own, from the resume point up to `covered`. So a client joining an open feed
+costs no JetStream request at all, and the watcher skips anything at or below what it has sent.
 
 A watcher that falls `limit` items behind while its client does not read (see `Watcher`) is cut:
-its buffer is dropped at once, its stream ends with a `: lagging` comment (or, if even that cannot be written,
-its connection is aborted), and it resumes with `Last-Event-ID` like any reconnect. It never holds
-the feed or the other watchers back.
+its buffer is dropped at once, its stream ends with a `: lagging` comment (or, if even that cannot
+be written, its connection is aborted), and it resumes with `Last-Event-ID` like any reconnect. It
+never holds the feed or the other watchers back.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -49,6 +49,10 @@ LAGGING = b": lagging: this stream fell too far behind and is closed; reconnect 
 """What a cut stream sends before it closes (a comment: no client-visible event)."""
 ABORT_AFTER_S = 1.0
 """How long a cut stream has to write `LAGGING` before its connection is aborted."""
+RING_ITEMS = 2048
+"""Most items a feed keeps for the watchers that join it…"""
+RING_BYTES = 4 * 1024 * 1024
+"""…and most bytes (of the messages they came from); the newest item is always kept."""
 
 
 class Sequenced(Protocol):
@@ -150,25 +154,25 @@ class FeedSpec(Generic[T_co]):
 
 
 class _Feed(Generic[T]):
-    """One ordered consumer of a subject set, offering each new message to every watcher."""
+    """One ordered consumer of a subject set, keeping its latest items and offering each new one
+    to every watcher."""
 
-    def __init__(self, spec: FeedSpec[T]) -> None:
+    def __init__(self, spec: FeedSpec[T], *, ring_items: int, ring_bytes: int) -> None:
         self.spec = spec
-        self.watchers: set[Watcher[T]] = set()
+        self._ring_items = ring_items
+        self._ring_limit = ring_bytes
+        self.watchers: dict[Watcher[T], int] = {}
+        """Each watcher, and the sequence it joined after (older items are not offered to it)."""
         self.sub: Any = None
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._last = 0
+        self._ring: deque[tuple[T, int]] = deque()
+        self._ring_bytes = 0
+        self.covered = 1
+        """Every item from this sequence on is kept or still to come."""
 
     async def open(self, js: JetStreamContext) -> None:
-        # From just after the stream's last message: a reset of the ordered consumer before its
-        # first delivery resumes from there, not from the subjects' beginning.
-        info = await js.stream_info(self.spec.stream)
-        self._last = int(info.state.last_seq)
-        config = jsapi.ConsumerConfig(
-            filter_subjects=list(self.spec.subjects),
-            deliver_policy=jsapi.DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=self._last + 1,
-        )
+        config = jsapi.ConsumerConfig(filter_subjects=list(self.spec.subjects), deliver_policy=jsapi.DeliverPolicy.ALL)
         self.sub = await js.subscribe(
             self.spec.subjects[0],
             stream=self.spec.stream,
@@ -186,8 +190,23 @@ class _Feed(Generic[T]):
         item = self.spec.decode(msg)
         if item is None:
             return
-        for watcher in list(self.watchers):
-            watcher.offer(item)
+        self._keep(item, len(msg.data))
+        for watcher, after in list(self.watchers.items()):
+            if item.seq > after:
+                watcher.offer(item)
+
+    def _keep(self, item: T, size: int) -> None:
+        self._ring.append((item, size))
+        self._ring_bytes += size
+        while len(self._ring) > 1 and (len(self._ring) > self._ring_items or self._ring_bytes > self._ring_limit):
+            dropped, dropped_size = self._ring.popleft()
+            self._ring_bytes -= dropped_size
+            self.covered = dropped.seq + 1
+
+    def attach(self, watcher: Watcher[T], after: int) -> list[T]:
+        """Register `watcher`; the kept items after `after` (everything later is offered to it)."""
+        self.watchers[watcher] = after
+        return [item for item, _ in self._ring if item.seq > after]
 
     async def close(self) -> None:
         if self.sub is not None:
@@ -195,11 +214,29 @@ class _Feed(Generic[T]):
                 await self.sub.unsubscribe()
 
 
+@dataclass(frozen=True, slots=True)
+class _Joined(Generic[T]):
+    kept: list[T]
+    """The feed's kept items after the resume point."""
+    covered: int
+    """The feed holds (or will offer) every item from this sequence on."""
+
+
 class Fanout:
     """The process's feeds, by subject set (one per `GatewayState`)."""
 
-    def __init__(self, *, on_lagged: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        on_lagged: Callable[[], None] | None = None,
+        ring_items: int = RING_ITEMS,
+        ring_bytes: int = RING_BYTES,
+    ) -> None:
         self._feeds: dict[tuple[str, str, tuple[str, ...]], _Feed[Any]] = {}
+        self.ring_items = ring_items
+        """Most items a feed opened from now on keeps."""
+        self.ring_bytes = ring_bytes
+        """Most bytes a feed opened from now on keeps."""
         self._on_lagged = on_lagged
         self.lagged = 0
         """Watchers cut for falling behind, since the process started."""
@@ -214,13 +251,14 @@ class Fanout:
         """Watchers joined to a feed."""
         return sum(len(f.watchers) for f in self._feeds.values())
 
-    async def join(self, js: JetStreamContext, spec: FeedSpec[T], watcher: Watcher[T]) -> None:
-        """Have `watcher` offered every message of `spec` stored from now on (the feed opened when
-        it is the first)."""
+    async def join(self, js: JetStreamContext, spec: FeedSpec[T], watcher: Watcher[T], *, after: int = 0) -> _Joined[T]:
+        """Register `watcher` on the feed of `spec` (opened when it is the first): the items the feed
+        kept after `after`, and the sequence from which it is complete (every later message is
+        offered to the watcher)."""
         while True:
             feed = self._feeds.get(spec.key)
             if feed is None:
-                feed = _Feed(spec)
+                feed = _Feed(spec, ring_items=self.ring_items, ring_bytes=self.ring_bytes)
                 self._feeds[spec.key] = feed
                 try:
                     await feed.open(js)
@@ -234,15 +272,14 @@ class Fanout:
                 await asyncio.wait({feed.ready})  # another watcher is opening it
             if feed.ready.cancelled() or self._feeds.get(spec.key) is not feed:
                 continue  # its opening failed, or its last watcher left meanwhile
-            feed.watchers.add(watcher)
-            return
+            return _Joined(kept=feed.attach(watcher, after), covered=feed.covered)
 
     async def leave(self, spec: FeedSpec[T], watcher: Watcher[T]) -> None:
         """Forget `watcher`; the feed closes with its last watcher."""
         feed = self._feeds.get(spec.key)
         if feed is None or watcher not in feed.watchers:
             return
-        feed.watchers.discard(watcher)
+        del feed.watchers[watcher]
         if watcher.lagged:
             self.lagged += 1
             if self._on_lagged is not None:
@@ -255,22 +292,10 @@ class Fanout:
 # ---------------------------------------------------------------- replay and join
 
 
-async def last_seq(js: JetStreamContext, stream: str, subject_list: Sequence[str]) -> int:
-    """The stream sequence of the last message on any of `subject_list` (wildcards allowed; 0: none)."""
-
-    async def one(subject: str) -> int:
-        try:
-            raw = await js.get_last_msg(stream, subject)
-        except nats.js.errors.NotFoundError:
-            return 0
-        return int(raw.seq or 0)
-
-    return max(await asyncio.gather(*(one(s) for s in subject_list)), default=0)
-
-
-async def replay(js: JetStreamContext, spec: FeedSpec[T], *, after: int, until: int) -> AsyncIterator[T]:
-    """The items of `spec` stored after sequence `after`, up to (at least) `until`, in order."""
-    if until <= after:
+async def replay(js: JetStreamContext, spec: FeedSpec[T], *, after: int, before: int) -> AsyncIterator[T]:
+    """The items of `spec` stored after sequence `after` and before `before`, in order, read on an
+    ordered consumer of the caller's own."""
+    if before <= after + 1:
         return
     config = jsapi.ConsumerConfig(
         filter_subjects=list(spec.subjects),
@@ -285,13 +310,15 @@ async def replay(js: JetStreamContext, spec: FeedSpec[T], *, after: int, until: 
             try:
                 msg = await sub.next_msg(timeout=READ_TIMEOUT_S)
             except nats.errors.TimeoutError:
-                log.warning("replay of %s stopped before sequence %d", spec.subjects, until)
+                log.warning("replay of %s stopped before sequence %d", spec.subjects, before)
+                return
+            meta = msg.metadata
+            if int(meta.sequence.stream) >= before:
                 return
             item = spec.decode(msg)
             if item is not None:
                 yield item
-            meta = msg.metadata
-            if int(meta.sequence.stream) >= until or meta.num_pending == 0:
+            if meta.num_pending == 0:
                 return
     finally:
         with contextlib.suppress(Exception):
@@ -301,18 +328,13 @@ async def replay(js: JetStreamContext, spec: FeedSpec[T], *, after: int, until: 
 async def catch_up(
     js: JetStreamContext, fanout: Fanout, spec: FeedSpec[T], watcher: Watcher[T], *, after: int
 ) -> AsyncIterator[T]:
-    """Every item of `spec` after sequence `after` up to the live point, in order and once, with
-    `watcher` joined to the feed on the way (see the module's docstring); the watcher then holds
-    what follows (items at or below the last one yielded may be in it too: skip them)."""
-    seen = after
-    async for item in replay(js, spec, after=seen, until=await last_seq(js, spec.stream, spec.subjects)):
-        seen = max(seen, item.seq)
+    """Every item of `spec` after sequence `after` up to what the feed offers `watcher` from now
+    on, in order and once (see the module's docstring): `watcher` is joined on the way."""
+    joined = await fanout.join(js, spec, watcher, after=after)
+    async for item in replay(js, spec, after=after, before=joined.covered):
         yield item
-    await fanout.join(js, spec, watcher)
-    async for item in replay(js, spec, after=seen, until=await last_seq(js, spec.stream, spec.subjects)):
-        if item.seq > seen:
-            seen = item.seq
-            yield item
+    for item in joined.kept:
+        yield item
 
 
 def abort_later(transport: asyncio.BaseTransport | None, delay_s: float = ABORT_AFTER_S) -> Callable[[], None]:
