@@ -613,3 +613,36 @@ async def test_stopping_a_gateway_closes_its_open_live_streams_promptly(
         assert b"event: end" not in stream.raw  # not settled: the client resumes elsewhere
         stream.close()
     assert stopped_in < 15, stopped_in
+
+
+# ---------------------------------------------------------------- live actions: unknown runs
+
+
+async def test_live_actions_on_a_run_nobody_has_seen_are_404_naming_the_run(
+    gateways: tuple[RunningGateway, RunningGateway], bus: tuple[NatsClient, Publisher], http: aiohttp.ClientSession
+) -> None:
+    """Exec, a terminal ticket and the screen of a run that does not exist answer 404 `not_found`
+    naming `run_id`, to the creator of a batch of that name, another member and an admin alike;
+    a run that exists stays 403 for a member who may not act in it."""
+    one, _ = gateways
+    _, pub = bus
+    run = await started_run(pub)
+    await view_of(http, one, run.run_id)
+    actions = (("POST", "exec", {"command": "id"}), ("POST", "terminal-ticket", None), ("GET", "screen", None))
+    unknown = (f"evb-{run.script.batch_id}-nope", "evb-run-nope", f"{run.run_id}-t7")
+    for run_id in unknown:
+        for token in (ALICE, BOB, one.admin_token):
+            for method, action, body in actions:
+                async with http.request(
+                    method, f"{one.base_url}/v1/runs/{run_id}/{action}", headers=auth(token), json=body
+                ) as resp:
+                    status, payload = resp.status, await resp.read()
+                assert status == 404, (run_id, action, token, payload)
+                error = decode(payload, ErrorBody).error
+                assert (error.code, error.field) == ("not_found", "run_id"), payload
+    for method, action, body in actions:
+        async with http.request(
+            method, f"{one.base_url}/v1/runs/{run.run_id}/{action}", headers=auth(BOB), json=body
+        ) as resp:
+            assert resp.status == 403, action
+            assert decode(await resp.read(), ErrorBody).error.field == "Authorization"
