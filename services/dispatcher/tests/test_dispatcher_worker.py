@@ -301,3 +301,57 @@ async def test_the_example_worker_suite_runs_on_warm_workers(backend: LocalBacke
         scores = {s.grader_id: s for s in executed.result.scores}
         assert all(isinstance(s, Measured) and s.passed for s in scores.values()), scores
     assert backend.workers.spawned == 1
+
+
+ASYNC_AGENT = """
+import asyncio, os, sys
+
+from evalbus.harness import Case, Context
+
+
+async def solve(case: Case, ctx: Context):  # plain (undecorated) and async
+    await asyncio.sleep(0)
+    ctx.message("assistant", "thinking about " + str(case.json()["q"]))
+    print("printed", os.environ["EVALBUS_RUN_ID"], os.getcwd())
+    print("to stderr", file=sys.stderr)
+    os.write(1, b"raw fd 1 bytes\\n")  # not the protocol's: sent to stderr
+    return None if case.json()["q"] == "none" else case.json()["q"] * 2
+"""
+
+
+@pytest.mark.unit
+def test_the_sdk_speaks_the_protocol_on_its_own(tmp_path: Path) -> None:
+    import json
+    import subprocess
+
+    (tmp_path / "async_agent.py").write_text(textwrap.dedent(ASYNC_AGENT))
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def case(run: str, q: object) -> str:
+        message = {"type": "case", "run_id": run, "case_id": run, "input": json.dumps({"q": q}), "workdir": str(work),
+                   "input_file": "/dev/null", "timeout_s": 5, "env": {"EVALBUS_RUN_ID": run}}  # fmt: skip
+        return json.dumps(message) + "\n"
+
+    done = subprocess.run(
+        [sys.executable, "-m", "evalbus.harness", f"{tmp_path / 'async_agent.py'}:solve"],
+        input=case("r1", 21) + case("r2", "none"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert lines[0] == {"type": "ready"}
+    assert [(m["type"], m["run_id"]) for m in lines[1:5]] == [
+        ("event", "r1"),
+        ("log", "r1"),
+        ("log", "r1"),
+        ("result", "r1"),
+    ]
+    assert lines[1]["event"]["text"] == "thinking about 21"
+    assert lines[2] == {"type": "log", "run_id": "r1", "text": f"printed r1 {work}"}
+    assert lines[3] == {"type": "log", "run_id": "r1", "stream": "stderr", "text": "to stderr"}
+    assert lines[4] == {"type": "result", "run_id": "r1", "answer": "42"}
+    assert lines[-1] == {"type": "result", "run_id": "r2"}  # None: no answer, the command fallbacks apply
+    assert "raw fd 1 bytes" in done.stderr
