@@ -27,7 +27,15 @@ from playwright.async_api import Browser, Locator, Page, async_playwright, expec
 
 from evalbus.testing.chromium import ensure_chromium, png_size_and_first_pixel
 from evalbus.testing.pipeline import Pipeline, eventually, open_pipeline, wait_path
-from evalbus_contracts import AnswerMatchGrader, BatchSpec, CaseSpec, CommandHarness, RegressionGate, SuiteSpec
+from evalbus_contracts import (
+    AnswerMatchGrader,
+    BatchPolicy,
+    BatchSpec,
+    CaseSpec,
+    CommandHarness,
+    RegressionGate,
+    SuiteSpec,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -372,6 +380,9 @@ task = json.loads(sys.stdin.read())
 answer = task["a"] + 1
 if os.environ.get("ADDER_BUG") == "1" and task["a"] >= 2:
     answer += 1  # the regression: off by one from 2 on
+trial = os.environ["EVALBUS_RUN_ID"].rpartition("-t")[2]
+if os.environ.get("ADDER_FLAKY") == "1" and task["a"] == 1 and trial.isdigit() and int(trial) % 2 == 0:
+    answer += 1  # flaky: wrong on every other trial of one case
 print("EVALBUS_RESULT " + json.dumps({"answer": str(answer)}), flush=True)
 """
 
@@ -379,9 +390,10 @@ print("EVALBUS_RESULT " + json.dumps({"answer": str(answer)}), flush=True)
 GATES = ("verdicts.pass_rate >= 80%", RegressionGate(no_significant_regression=("verdicts",)), "counts.executed >= 8")
 
 
-def adder_batch(suite_id: str, *, bug: bool) -> BatchSpec:
+def adder_batch(suite_id: str, *, bug: bool = False, flaky: bool = False) -> BatchSpec:
     """Eight sums; with the bug, six of them are wrong (an exact McNemar p of 2/64 on verdicts),
-    and its gates: a pass rate, no regression against the baseline, every case executed."""
+    and its gates: a pass rate, no regression against the baseline, every case executed. Flaky: two
+    of the sums, two trials each, one of them wrong on one trial."""
     cases = tuple(
         CaseSpec(
             id=f"add-{a}",
@@ -389,21 +401,26 @@ def adder_batch(suite_id: str, *, bug: bool) -> BatchSpec:
             expected=str(a + 1),
             graders=(AnswerMatchGrader(id="answer"),),
         )
-        for a in range(8)
+        for a in range(2 if flaky else 8)
     )
-    harness = CommandHarness(
-        id="adder", command=(sys.executable, "-c", ADDER), env={"ADDER_BUG": "1" if bug else "0"}, timeout_s=60
+    env = {"ADDER_BUG": "1" if bug else "0", "ADDER_FLAKY": "1" if flaky else "0"}
+    harness = CommandHarness(id="adder", command=(sys.executable, "-c", ADDER), env=env, timeout_s=60)
+    return BatchSpec(
+        suite=SuiteSpec(id=suite_id, cases=cases),
+        harness=harness,
+        gates=GATES if bug else (),
+        policy=BatchPolicy(trials=2 if flaky else 1),
     )
-    return BatchSpec(suite=SuiteSpec(id=suite_id, cases=cases), harness=harness, gates=GATES if bug else ())
 
 
 async def test_the_compare_page_shows_a_regression_against_the_baseline(pipeline: Pipeline, browser: Browser) -> None:
     p = pipeline
     suite_id = f"dash-adder-{uuid.uuid4().hex[:6]}"
-    good = await p.submit(adder_batch(suite_id, bug=False))
-    await p.finalized(good)
+    good = await p.submit(adder_batch(suite_id))
     buggy = await p.submit(adder_batch(suite_id, bug=True))
-    await p.finalized(buggy)
+    flaky = await p.submit(adder_batch(suite_id, flaky=True))
+    for batch_id in (good, buggy, flaky):
+        await p.finalized(batch_id)
 
     page = await logged_in(browser, p)
     # The good batch becomes its suite's baseline from its page.
@@ -449,6 +466,17 @@ async def test_the_compare_page_shows_a_regression_against_the_baseline(pipeline
     await expect(page.get_by_test_id("pair-candidate").locator('[data-badge="fail"]')).to_be_visible()
     await shot(page, "11-compare-side-by-side")
     assert await csp_violations(page) == []
+
+    # Two batches picked on the page: a batch with trials lists its flaky case.
+    await page.click('header nav a[data-nav="compare"]')
+    await page.get_by_test_id("pick-candidate").select_option(flaky)
+    await page.get_by_test_id("pick-base").select_option(good)
+    await page.get_by_test_id("compare").click()
+    await expect(page.get_by_test_id("flaky")).to_contain_text(f"candidate ({flaky})1 flaky: add-1")
+    await expect(page.get_by_test_id("flaky")).to_contain_text(f"base ({good})no trials")
+    await expect(page.get_by_test_id("gates")).to_have_text("The candidate declares no gates.")
+    await expect(page.locator("main")).not_to_contain_text("null")
+    await shot(page, "12-compare-flaky")
 
     # Against a base nobody can see, the page says why instead of comparing.
     await page.goto(f"{p.stack.gateway_url}/#/compare?candidate={buggy}&base=nope-{uuid.uuid4().hex[:6]}")

@@ -40,7 +40,7 @@ function el(tag, attrs, ...children) {
 
 function show(...nodes) {
   const root = main();
-  root.replaceChildren(...nodes);
+  root.replaceChildren(...nodes.filter((node) => node !== null && node !== undefined && node !== false));
 }
 
 class Unauthorized extends Error {}
