@@ -28,6 +28,7 @@ import os
 import re
 import secrets
 import signal
+import sys
 import tempfile
 import uuid
 from collections.abc import Mapping
@@ -777,7 +778,7 @@ class FakeKubernetes:
         self._notify()
 
     def _container_env(self, pod: FakePod) -> dict[str, str] | str:
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self._root), "HOSTNAME": pod.name}
+        env = {"PATH": image_path(), "HOME": str(self._root), "HOSTNAME": pod.name}
         for var in pod.container.get("env", []):
             if "value" in var:
                 env[var["name"]] = var["value"]
@@ -824,6 +825,12 @@ class FakeKubernetes:
             await pod.process.wait()
         if pod.terminated is None and pod.started_at is not None:
             pod.terminated = {"exitCode": 137, "reason": "Error", "startedAt": pod.started_at, "finishedAt": _now()}
+
+
+def image_path() -> str:
+    """`PATH` inside a fake container: this interpreter's folder first, so `python` in the image is
+    one with evalbus installed (the image contract), then the host's."""
+    return f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"
 
 
 def _processes() -> dict[int, tuple[int, int]]:

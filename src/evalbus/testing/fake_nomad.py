@@ -23,7 +23,6 @@ import asyncio
 import base64
 import contextlib
 import json
-import os
 import re
 import tempfile
 import time
@@ -35,7 +34,7 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
-from evalbus.testing.fake_kubernetes import kill_tree, tree_rss
+from evalbus.testing.fake_kubernetes import image_path, kill_tree, tree_rss
 
 Json = dict[str, Any]
 
@@ -423,7 +422,7 @@ class FakeNomad:
                 self._event(alloc, "Not Restarting", "Policy allows no restarts")
                 alloc.state, alloc.client_status, alloc.failed = "dead", "failed", True
                 return
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(alloc.task_dir),
+        env = {"PATH": image_path(), "HOME": str(alloc.task_dir),
                "NOMAD_TASK_DIR": str(alloc.task_dir), "NOMAD_ALLOC_ID": alloc.id}  # fmt: skip
         env.update(task.get("Env") or {})
         for template in task.get("Templates") or []:
