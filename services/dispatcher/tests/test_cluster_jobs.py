@@ -1,0 +1,108 @@
+"""The cluster backends' pure parts: the Job / job they submit, names and labels, secret references,
+reading a blocked evaluation."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
+
+from evalbus_contracts import CasePlan, CaseRequested, CaseSpec, CommandHarness, ComputeSpec, TestsPassGrader
+from evalbus_dispatcher.backends.kubernetes import JobTemplate, job_manifest, job_name, label_value, secret_ref
+from evalbus_dispatcher.backends.nomad import NomadTemplate, blocked_reason, nomad_job
+from evalbus_dispatcher.errors import BackendError
+
+pytestmark = pytest.mark.unit
+
+
+def request(**compute: object) -> CaseRequested:
+    return CaseRequested(
+        batch_id="b1",
+        case_id="c1",
+        run_id="evb-b1-c1",
+        case=CaseSpec(id="c1", input="hi", graders=(TestsPassGrader(id="t", command="true", timeout_s=30),)),
+        harness=CommandHarness(
+            id="agent",
+            command=("python", "agent.py"),
+            env={"MODE": "fast"},
+            secret_env={"API_KEY": "openai", "DB": "db-creds/password"},
+            compute=ComputeSpec(**compute),  # type: ignore[arg-type]
+        ),
+        plan=CasePlan(suite_id="s", submitted_by="alice"),
+    )
+
+
+def test_the_job_validates_strictly_and_carries_secrets_by_name_only() -> None:
+    req = request(cpu=2, memory_mb=512, gpus=1, node_selector={"pool": "gpu"})
+    manifest = job_manifest(req, "evb-b1-c1", "evb-b1-c1-a1-abcdef", JobTemplate(namespace="ns", image="img:1"))
+    kubernetes_validate.validate(manifest, "1.33", strict=True)
+    container = manifest["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"] == {"cpu": "2", "memory": "512Mi", "nvidia.com/gpu": "1"}
+    assert container["resources"]["requests"] == container["resources"]["limits"]
+    assert manifest["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "gpu"}
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
+    assert refs == {"API_KEY": {"name": "openai", "key": "value"}, "DB": {"name": "db-creds", "key": "password"}}
+    job = json.loads(next(e["value"] for e in container["env"] if e["name"] == "EVALBUS_JOB"))
+    assert job["secret_vars"] == ["API_KEY", "DB"]
+    assert job["checks"] == [{"command": "true", "timeout_s": 30.0}]
+    assert manifest["metadata"]["annotations"]["evalbus.dev/run"] == "evb-b1-c1"
+
+
+@pytest.mark.parametrize("bad", ["Has_Upper", "../escape", "a" * 254, "name/bad key"])
+def test_a_name_that_is_no_secret_name_is_a_config_failure(bad: str) -> None:
+    with pytest.raises(BackendError) as caught:
+        secret_ref(bad, "API_KEY")
+    assert (caught.value.failure_class, caught.value.retryable) == ("config", False)
+    assert "API_KEY" in caught.value.message
+
+
+@pytest.mark.parametrize("run_id", ["evb-b1-c1", "evb-" + "x" * 100, "evb-run-ünïcode id*>", "-.weird."])
+def test_names_and_labels_are_valid_for_any_run_id(run_id: str) -> None:
+    label = label_value(run_id)
+    assert len(label) <= 63
+    assert re.fullmatch(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?", label)
+    name = job_name(run_id, 2)
+    assert len(name) <= 63
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name)
+    assert job_name(run_id, 2) != name  # every execution gets its own Job
+    assert label_value("evb-" + "x" * 100) != label_value("evb-" + "x" * 101)
+
+
+def test_the_nomad_job_reads_secrets_from_variables_and_constrains_by_meta() -> None:
+    body = nomad_job(request(cpu=1.5, memory_mb=300, gpus=2, node_selector={"zone": "eu"}), "evb-b1-c1", "j1",
+                     NomadTemplate(image="img:1"))  # fmt: skip
+    job = body["Job"]
+    task = job["TaskGroups"][0]["Tasks"][0]
+    assert task["Resources"] == {"CPU": 1500, "MemoryMB": 300, "Devices": [{"Name": "nvidia/gpu", "Count": 2}]}
+    assert job["Constraints"] == [{"LTarget": "${meta.zone}", "RTarget": "eu", "Operand": "="}]
+    templates = [t["EmbeddedTmpl"] for t in task["Templates"]]
+    assert templates == [
+        '{{ with nomadVar "evalbus/secrets/openai" }}API_KEY={{ .value }}{{ end }}',
+        '{{ with nomadVar "evalbus/secrets/db-creds/password" }}DB={{ .value }}{{ end }}',
+    ]
+    assert job["Meta"]["evalbus_run"] == "evb-b1-c1"
+    assert task["Config"]["image"] == "img:1"
+
+
+def test_a_blocked_evaluation_reads_as_its_exhausted_dimensions() -> None:
+    evaluations: list[dict[str, Any]] = [
+        {"Status": "complete"},
+        {
+            "Status": "blocked",
+            "FailedTGAllocs": {
+                "case": {
+                    "NodesEvaluated": 3,
+                    "DimensionExhausted": {"memory": 1, "cpu": 2},
+                    "ConstraintFiltered": {"${meta.zone} = eu": 1},
+                }
+            },
+        },
+    ]
+    assert blocked_reason(evaluations) == (
+        "3 nodes evaluated: cpu exhausted on 2 nodes, memory exhausted on 1 node, "
+        "constraint ${meta.zone} = eu filtered 1 node"
+    )
+    assert blocked_reason([{"Status": "complete"}]) is None
