@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from evalbus_dispatcher.backends.procfs import group_usage, oom_kills, oom_verdict
+from evalbus_dispatcher.backends.procfs import group_usage, oom_kills, oom_verdict, tree_usage
 
 pytestmark = pytest.mark.unit
 
@@ -35,9 +35,15 @@ async def test_group_usage_sums_the_processes_of_a_real_group() -> None:
         assert usage.processes == 2
         assert usage.rss_bytes > 80 * 2**20  # both processes' 40 MiB, summed
         assert usage.cpu_seconds > 0.0
+        # the same read from the leader's process tree alone
+        tree = tree_usage(proc.pid)
+        assert tree is not None
+        assert tree.processes == 2
+        assert tree.rss_bytes > 80 * 2**20
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()
+    assert tree_usage(proc.pid) is None  # the leader is gone: only a scan of every process can tell
     assert group_usage(2**22 + 7) is None  # no such group
 
 

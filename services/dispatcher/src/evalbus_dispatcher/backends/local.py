@@ -571,7 +571,8 @@ class LocalSandbox:
             return None
         if self._workers is not None:
             return self._workers.usage(self._pgid)
-        found = procfs.group_usage(self._pgid)
+        # the tree under a live leader: a few reads; the whole of /proc only once the leader is gone
+        found = procfs.tree_usage(self._pgid) or procfs.group_usage(self._pgid)
         if found is None:
             return None
         return UnitUsage(

@@ -75,6 +75,45 @@ def group_usage(pgid: int, proc: Path = PROC) -> GroupUsage | None:
     return GroupUsage(processes=processes, rss_bytes=rss * _PAGE, cpu_seconds=ticks / _TICKS)
 
 
+def tree_usage(pgid: int, proc: Path = PROC) -> GroupUsage | None:
+    """What `group_usage` says, read from the process tree under the group's leader (its members'
+    children, from `/proc/<pid>/task/<tid>/children`): a few reads where `group_usage` reads every
+    process on the machine. None when the leader is gone or the kernel does not list children — then
+    only `group_usage` can tell (members whose parent died are reparented out of the tree)."""
+    processes = rss = ticks = 0
+    todo = [pgid]
+    seen: set[int] = set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        base = proc / str(pid)
+        try:
+            stat = _stat((base / "stat").read_text())
+            tasks = list((base / "task").iterdir())
+        except OSError:
+            if pid == pgid:
+                return None
+            continue  # gone meanwhile
+        if stat is None or stat.pgrp != pgid:
+            if pid == pgid:
+                return None
+            continue
+        processes += 1
+        rss += stat.rss_pages
+        ticks += stat.cpu_ticks
+        for task in tasks:
+            try:
+                todo.extend(int(child) for child in (task / "children").read_text().split())
+            except FileNotFoundError:
+                if pid == pgid and task.name == str(pgid):
+                    return None  # this kernel does not list children
+            except (OSError, ValueError):
+                continue
+    return GroupUsage(processes=processes, rss_bytes=rss * _PAGE, cpu_seconds=ticks / _TICKS)
+
+
 def _memory_cgroup(proc: Path) -> tuple[str, str] | None:
     """(`v1` or `v2`, path) of this process's memory cgroup."""
     try:
