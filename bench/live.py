@@ -12,7 +12,10 @@
    a realistic batch's (`bench.recorder.workload`: each run's requested, executed, judged and
    exported, 0.5–2 KB), each event id stamped with its publish moment (`_sse.stamp`); the clients
    are one process of raw asyncio connections (`_sse.swarm`). Printed: p50/p99/p99.9/max of both,
-   the ratio, CPU seconds of server, nats-server and clients.
+   the ratio, frames/s delivered to all clients by each and their ratio (gateway ÷ relay), CPU
+   seconds of server, nats-server and clients, and the gateway's own word on its fan-out
+   (`/metrics`: shared subscriptions and clients while the swarm is connected, clients cut for
+   lagging): every client of the batch follows one shared subscription (`live.fanout`).
 2. log latency — a harness printing timestamped lines at a steady rate (50/s for 10 s) runs
    through the real dispatcher (all five services as processes); one client follows
    `GET /v1/runs/{run}/logs/stream` and takes, for every line written after its stream opened,
@@ -24,8 +27,9 @@
    `/logs/stream`, half on `/trajectory/live/stream`, each opened when the run is requested and
    read to its `end`). The watched run is judged by overlap's goals with this issue's limits.
 
-Goals: fan-out p99 ≤ 25 ms through the gateway (the relay's p99 and the ratio printed with it) and
-every event at every client once; log p99 ≤ 500 ms and every line once; watched makespan ≤ 1.06 ×
+Goals: fan-out p99 ≤ 25 ms through the gateway (the relay's p99 and the ratio printed with it),
+every event at every client once, the gateway's frames/s ≥ 0.8 × the relay's in the same run, one
+shared subscription for the batch; log p99 ≤ 500 ms and every line once; watched makespan ≤ 1.06 ×
 overlap's streaming bound, mean sandbox hold ≤ 1.05 × mean harness time, no failed case, every
 judge score, every watcher to its `end`. Prints a table and the goals, then one JSON line (only the
 JSON line with --json; the goals are in it as data). With --check it exits 1, naming the missed
@@ -75,6 +79,7 @@ from evalbus_contracts.events import EventBase
 from evalbus_runtime import Publisher, connect
 
 FANOUT_P99_MS = 25.0
+FANOUT_FRAMES_RATIO = 0.8
 LOG_P99_MS = 500.0
 WATCHED_RATIO = 1.06
 HOLD_RATIO = 1.05
@@ -154,6 +159,18 @@ async def stop(proc: asyncio.subprocess.Process) -> None:
             await asyncio.wait_for(proc.wait(), 10)
 
 
+async def gateway_metrics(url: str, *names: str) -> dict[str, float]:
+    """The values of unlabelled `names` on the gateway's `/metrics` (NaN when missing)."""
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    values = dict.fromkeys(names, math.nan)
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in values:
+            values[name] = float(value)
+    return values
+
+
 async def fanout_one(
     args: argparse.Namespace, stack: ServiceStack, nats_url: str, nats_pid: int, server: str
 ) -> dict[str, Any]:
@@ -166,6 +183,7 @@ async def fanout_one(
     nc = await connect(nats_url, "bench-live-fanout")
     helper: asyncio.subprocess.Process | None = None
     swarm: asyncio.subprocess.Process | None = None
+    fan: dict[str, float] = {}
     try:
         pub = Publisher(nc)
         await pub.publish_event(request)
@@ -181,6 +199,8 @@ async def fanout_one(
         swarm = await spawn("swarm", url, str(args.clients), str(len(rest)), str(warmup), env={_sse.TOKEN_ENV: token})
         await read_ready(swarm, "the client swarm", timeout_s=120)
         await asyncio.sleep(0.5)  # the last connections' consumers settle before the clock starts
+        if server == "gateway":
+            fan = await gateway_metrics(stack.gateway_url, *_FAN_METRICS[:2])
         meter = CpuMeter({"server": pid, "nats-server": nats_pid, "clients": swarm.pid}).start()
         sent = await paced(nc, rest, args.rate)
         assert swarm.stdout is not None
@@ -193,6 +213,8 @@ async def fanout_one(
             line = await asyncio.wait_for(swarm.stdout.readline(), 60)
         meter.stop()
         seen = msgspec.json.decode(line, type=_sse.SwarmResult)
+        if server == "gateway":
+            fan |= await gateway_metrics(stack.gateway_url, _FAN_METRICS[2])
     finally:
         for proc in (swarm, helper):
             if proc is not None:
@@ -205,7 +227,16 @@ async def fanout_one(
         **msgspec.structs.asdict(seen),
         "cpu_s": {**meter.seconds, "clients": seen.cpu_s},
         "wall_s": meter.wall_s,
+        **({"fanout_metrics": {k.removeprefix("evalbus_gateway_sse_"): v for k, v in fan.items()}} if fan else {}),
     }
+
+
+_FAN_METRICS = (
+    "evalbus_gateway_sse_subscriptions",
+    "evalbus_gateway_sse_watchers",
+    "evalbus_gateway_sse_lagging_total",
+)
+"""The gateway's fan-out gauges (read while the swarm is connected) and its lagging counter (after)."""
 
 
 async def fanout(args: argparse.Namespace, infra: Infra) -> dict[str, Any]:
@@ -226,6 +257,7 @@ async def fanout(args: argparse.Namespace, infra: Infra) -> dict[str, Any]:
         "relay": relay,
         "gateway": gateway,
         "p99_ratio": gateway["p99_ms"] / relay["p99_ms"] if relay["p99_ms"] else math.nan,
+        "frames_ratio": gateway["frames_per_s"] / relay["frames_per_s"] if relay["frames_per_s"] else math.nan,
     }
 
 
@@ -440,6 +472,22 @@ def goals_of(args: argparse.Namespace, out: dict[str, Any]) -> list[Goal]:
                 g["expected"],
                 "every stamped event to every client, once (events × clients)",
             ),
+            goal(
+                "fan-out: gateway frames/s ÷ bare relay frames/s",
+                f["frames_ratio"],
+                ">=",
+                FANOUT_FRAMES_RATIO,
+                f"same run; gateway {g['frames_per_s']:.0f}/s, relay {r['frames_per_s']:.0f}/s, "
+                f"{f['clients']} clients on one batch",
+            ),
+            goal(
+                "fan-out: shared subscriptions of the batch in the gateway",
+                g.get("fanout_metrics", {}).get("subscriptions"),
+                "==",
+                1,
+                f"one per subject set per process, whatever the clients "
+                f"({g.get('fanout_metrics', {}).get('watchers', math.nan):g} connected)",
+            ),
         ]
     if "log" in out:
         lg = out["log"]
@@ -493,7 +541,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
 
 def table(out: dict[str, Any]) -> tuple[list[tuple[str, ...]], list[str]]:
     """The rows and notes printed without --json."""
-    rows: list[tuple[str, ...]] = [("measure", "p50", "p99", "p99.9 / max", "delivered", "cpu s (server/nats/clients)")]
+    rows: list[tuple[str, ...]] = [
+        ("measure", "p50", "p99", "p99.9 / max", "delivered", "frames/s", "cpu s (server/nats/clients)")
+    ]
     notes: list[str] = []
     if "fanout" in out:
         f = out["fanout"]
@@ -507,13 +557,17 @@ def table(out: dict[str, Any]) -> tuple[list[tuple[str, ...]], list[str]]:
                     fmt(r["p99_ms"], " ms"),
                     f"{fmt(r['p999_ms'], ' ms')} / {fmt(r['max_ms'], ' ms')}",
                     f"{r['delivered'] - r['duplicates']}/{r['expected']}",
+                    fmt(r["frames_per_s"], digits=0),
                     "/".join(fmt(cpu.get(k), digits=1) for k in ("server", "nats-server", "clients")),
                 )
             )
+        fan = f["gateway"].get("fanout_metrics", {})
         notes.append(
             f"fan-out: {f['clients']} clients, {f['rate']:g} events/s for {f['seconds']:g} s after {f['warmup_s']:g} s "
             f"warm-up (published at {f['gateway']['publish']['rate']:.0f}/s); gateway p99 / relay p99 = "
-            f"{f['p99_ratio']:.2f}"
+            f"{f['p99_ratio']:.2f}, gateway frames/s / relay frames/s = {f['frames_ratio']:.2f}; the gateway held "
+            f"{fan.get('subscriptions', math.nan):g} shared subscription(s) for {fan.get('watchers', math.nan):g} "
+            f"clients, {fan.get('lagging_total', math.nan):g} cut for lagging"
         )
     if "log" in out:
         lg = out["log"]
@@ -525,6 +579,7 @@ def table(out: dict[str, Any]) -> tuple[list[tuple[str, ...]], list[str]]:
                 f"- / {fmt(lg['max_ms'], ' ms')}",
                 f"{lg['received'] - lg['duplicates']}/{lg['lines']}",
                 "",
+                "",
             )
         )
         notes.append(
@@ -534,7 +589,7 @@ def table(out: dict[str, Any]) -> tuple[list[tuple[str, ...]], list[str]]:
     if "overlap" in out:
         ov = out["overlap"]
         unwatched, watched = ov["runs"]
-        rows.append(("overlap run", "makespan", "/ bound", "hold/harness", "failed", "watchers ended"))
+        rows.append(("overlap run", "makespan", "/ bound", "hold/harness", "failed", "watchers ended", ""))
         for r in ov["runs"]:
             rows.append(
                 (
@@ -544,6 +599,7 @@ def table(out: dict[str, Any]) -> tuple[list[tuple[str, ...]], list[str]]:
                     fmt(r["hold_ratio"], digits=3),
                     str(r["failed_cases"]),
                     f"{r['watchers_ended']}/{r['watchers']}",
+                    "",
                 )
             )
         notes.append(

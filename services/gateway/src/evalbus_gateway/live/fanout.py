@@ -3,8 +3,8 @@ event stream that follows it.
 
 An event stream (a batch's events, a run's live log or trace) is a *watcher*: a bounded buffer of
 items the process's *feed* of those subjects offers it as they arrive. The feed is one ordered
-consumer of the subjects from their first message, opened by the first watcher and torn down
-when the last one leaves; each message is decoded (and, for a batch, framed) once, whatever the
+consumer of the subjects from the first watcher's resume point, opened by that watcher and torn
+down when the last one leaves; each message is decoded (and, for a batch, framed) once, whatever the
 number of watchers, and the feed keeps the latest ones (`RING_ITEMS`, `RING_BYTES`). Nothing else
 is held: the feed is a per-process cache of the stream, so every replica answers the same.
 
@@ -171,8 +171,16 @@ class _Feed(Generic[T]):
         self.covered = 1
         """Every item from this sequence on is kept or still to come."""
 
-    async def open(self, js: JetStreamContext) -> None:
-        config = jsapi.ConsumerConfig(filter_subjects=list(self.spec.subjects), deliver_policy=jsapi.DeliverPolicy.ALL)
+    async def open(self, js: JetStreamContext, start: int) -> None:
+        # From the first watcher's resume point: older messages are nobody's business yet (a
+        # reset of the ordered consumer that delivers them again is ignored by `_last`).
+        self._last = start - 1
+        self.covered = start
+        config = jsapi.ConsumerConfig(
+            filter_subjects=list(self.spec.subjects),
+            deliver_policy=jsapi.DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=start,
+        )
         self.sub = await js.subscribe(
             self.spec.subjects[0],
             stream=self.spec.stream,
@@ -261,7 +269,7 @@ class Fanout:
                 feed = _Feed(spec, ring_items=self.ring_items, ring_bytes=self.ring_bytes)
                 self._feeds[spec.key] = feed
                 try:
-                    await feed.open(js)
+                    await feed.open(js, after + 1)
                 except BaseException:
                     if self._feeds.get(spec.key) is feed:
                         del self._feeds[spec.key]
