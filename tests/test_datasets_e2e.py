@@ -66,6 +66,7 @@ def write_suite(folder: Path, cases: int) -> Path:
     return path
 
 
+@pytest.mark.timeout(180 + CASES / 10)
 async def test_a_dataset_larger_than_the_bus_runs_through_evalbus_run(pipeline: Pipeline, tmp_path: Path) -> None:
     assert pipeline.nc.max_payload == STOCK_MAX_PAYLOAD
     suite = write_suite(tmp_path / "suite", CASES)

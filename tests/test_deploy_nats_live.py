@@ -29,21 +29,27 @@ from evalbus.infra.nats import nats_server_binary
 from evalbus.infra.ports import free_port, wait_port
 from evalbus_collector.service import CollectorSettings, build_collector
 from evalbus_contracts import (
+    BatchRequested,
+    BatchSpec,
     CaseExecuted,
     CasePlan,
     CaseRequested,
     CaseResult,
     CaseSpec,
     CommandHarness,
+    DatasetIndex,
     JsonlSink,
+    SuiteSpec,
     decode,
     decode_event,
     encode,
 )
 from evalbus_contracts.control import ExecReply, ExecRequest
+from evalbus_contracts.streams import DATASETS
 from evalbus_contracts.subjects import control_subject
 from evalbus_dispatcher import LocalBackend
 from evalbus_dispatcher.control import LiveControls
+from evalbus_dispatcher.fanout import fan_out_batch
 from evalbus_dispatcher.presence import Presence
 from evalbus_dispatcher.service import DispatcherSettings, build_dispatcher
 from evalbus_exporter.service import ExporterSettings, build_exporter
@@ -52,6 +58,7 @@ from evalbus_gateway.live.terminal import TerminalTickets
 from evalbus_gateway.service import GatewaySettings, build_gateway
 from evalbus_judge.service import JudgeSettings, build_judge
 from evalbus_runtime import Publisher, Service, connect, ensure_topology
+from evalbus_runtime.objects import object_info, put_object
 
 pytestmark = [pytest.mark.integration]
 
@@ -247,6 +254,29 @@ async def test_the_exporter_cannot_read_batch_requested(secure_nats: SecureNats)
         await nc.publish("$JS.API.CONSUMER.MSG.NEXT.CASES.dispatcher-batches", b'{"batch": 1}')
         await asyncio.wait_for(violations.event.wait(), 5)
         assert any("dispatcher-batches" in v for v in violations.seen)
+
+
+async def test_datasets_go_through_the_object_store_with_the_gateway_and_dispatcher_users(
+    secure_nats: SecureNats,
+) -> None:
+    async with connect_as(secure_nats, "admin") as (admin, _):
+        await ensure_topology(admin.jetstream())
+    rows = [CaseSpec(id=f"c{i}", input="x" * 1000) for i in range(300)]
+    body = b"".join(encode(c) + b"\n" for c in rows)
+    async with (
+        connect_as(secure_nats, "gateway") as (gateway, gateway_violations),
+        connect_as(secure_nats, "dispatcher") as (dispatcher, dispatcher_violations),
+    ):
+        await put_object(gateway.jetstream(), DATASETS, "ds-deploy", b"an upload replaced below")
+        ref = await put_object(gateway.jetstream(), DATASETS, "ds-deploy", body)  # the old chunks purged
+        await object_info(gateway.jetstream(), ref)  # what a batch naming it is checked against
+        spec = BatchSpec(
+            suite=SuiteSpec(id="s", dataset_ref=ref, dataset_index=DatasetIndex(cases=300)),
+            harness=CommandHarness(id="h", command=("true",)),
+        )
+        runs = await fan_out_batch(dispatcher.jetstream(), BatchRequested(batch_id="b1", spec=spec, submitted_by="a"))
+    assert [r.case for r in runs] == rows
+    assert (gateway_violations.seen, dispatcher_violations.seen) == ([], [])
 
 
 async def test_the_live_views_and_actions_work_with_the_gateway_and_dispatcher_users(

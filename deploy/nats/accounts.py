@@ -35,8 +35,18 @@ from pathlib import Path
 ACCOUNT = "EVALBUS"
 """The account every evalbus user belongs to (KEDA's scaler and the exporter name it)."""
 
-TOPOLOGY: tuple[str, ...] = ("CASES", "LIVE", "OBSERVATIONS", "DLQ", "KV_dispatchers", "KV_terminal-tickets")
-"""Streams (a key-value bucket is the stream `KV_<bucket>`) that any service may create at start."""
+TOPOLOGY: tuple[str, ...] = (
+    "CASES",
+    "LIVE",
+    "OBSERVATIONS",
+    "DLQ",
+    "KV_dispatchers",
+    "KV_terminal-tickets",
+    "OBJ_datasets",
+    "OBJ_artifacts",
+)
+"""Streams (a key-value bucket is the stream `KV_<bucket>`, an object store bucket `OBJ_<bucket>`)
+that any service may create at start."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +95,7 @@ SERVICES: tuple[ServiceUser, ...] = (
             Grant("online.suite.>", "online suites applied and deleted (OnlineSuiteApplied/Deleted)"),
             Grant("suite.baseline.>", "suite baselines set (SuiteBaselineSet)"),
         ),
-        reads=("CASES", "LIVE", "KV_dispatchers", "KV_terminal-tickets"),
+        reads=("CASES", "LIVE", "KV_dispatchers", "KV_terminal-tickets", "OBJ_datasets"),
         subscribes=(Grant("term.*.out", "terminal output from the dispatcher holding the run"),),
         direct_gets=("KV_dispatchers", "KV_terminal-tickets"),
         finds_streams=True,
@@ -93,6 +103,8 @@ SERVICES: tuple[ServiceUser, ...] = (
             Grant("ctl.*.*", "actions on a live sandbox, requests to the dispatcher (subjects.control_subject)"),
             Grant("term.*.in", "terminal keystrokes to the dispatcher (subjects.terminal_subject)"),
             Grant("$KV.terminal-tickets.>", "single-use terminal tickets (streams.TERMINAL_TICKETS)"),
+            Grant("$O.datasets.>", "uploaded datasets: chunks and meta (POST /v1/datasets, streams.DATASETS)"),
+            Grant("$JS.API.STREAM.PURGE.OBJ_datasets", "the chunks of a refused or replaced upload"),
             Grant(
                 "$JS.API.CONSUMER.INFO.CASES.dispatcher-cases",
                 "a queued run's placement: requests the dispatchers' queue has not delivered yet",
@@ -107,7 +119,7 @@ SERVICES: tuple[ServiceUser, ...] = (
             Grant("case.executed.>", "executed cases (CaseExecuted)"),
             Grant("run.*.live.>", "live log, trace, infra marks and placement (LiveLog, LiveTrace, ...)"),
         ),
-        reads=("CASES", "LIVE"),
+        reads=("CASES", "LIVE", "OBJ_datasets"),
         subscribes=(
             Grant("ctl.*.*", "actions on the live sandboxes it holds (subjects.control_filter)"),
             Grant("term.*.in", "terminal keystrokes (subjects.terminal_subject)"),
