@@ -5,6 +5,7 @@ the OOM verdict of an exited harness follows). Every read is best effort: on a s
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 from dataclasses import dataclass
@@ -114,6 +115,12 @@ def tree_usage(pgid: int, proc: Path = PROC) -> GroupUsage | None:
     return GroupUsage(processes=processes, rss_bytes=rss * _PAGE, cpu_seconds=ticks / _TICKS)
 
 
+@functools.cache
+def _own_memory_cgroup() -> tuple[str, str] | None:
+    """This process's memory cgroup, read once (two reads of `/proc` per harness run otherwise)."""
+    return _memory_cgroup(PROC)
+
+
 def _memory_cgroup(proc: Path) -> tuple[str, str] | None:
     """(`v1` or `v2`, path) of this process's memory cgroup."""
     try:
@@ -135,7 +142,7 @@ def _memory_cgroup(proc: Path) -> tuple[str, str] | None:
 def oom_kills(proc: Path = PROC, root: Path = CGROUP_ROOT) -> int | None:
     """How many processes the kernel's OOM killer has killed in this process's memory cgroup (its
     sandboxes run in it), or None when the cgroup does not say."""
-    found = _memory_cgroup(proc)
+    found = _own_memory_cgroup() if proc == PROC else _memory_cgroup(proc)
     if found is None:
         return None
     version, path = found
