@@ -161,11 +161,12 @@ SERVICES: tuple[ServiceUser, ...] = (
             Grant("case.judged.>", "judged cases (CaseJudged)"),
             Grant("online.fate.>", "observations over their suite's daily budget (ObservationFate)"),
         ),
-        direct_gets=("KV_ONLINE_SPEND",),
+        direct_gets=("KV_ONLINE_SPEND", "KV_JUDGE_LIMITS"),
         publish_extra=(
             Grant("$KV.ONLINE_SPEND.>", "online suites' daily model-judge spend, counted across replicas (budget.py)"),
+            Grant("$KV.JUDGE_LIMITS.>", "model providers' adaptive concurrency, shared by the replicas (limits.py)"),
         ),
-        own_streams=("KV_ONLINE_SPEND",),
+        own_streams=("KV_ONLINE_SPEND", "KV_JUDGE_LIMITS"),
     ),
     ServiceUser(
         name="exporter",

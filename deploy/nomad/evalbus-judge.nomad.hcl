@@ -1,5 +1,5 @@
-# evalbus-judge on Nomad. The judge: applies each batch's judges (judge-cases). JUDGE_GLOBAL_LIMIT caps the cases judged
-# at once across ALL allocations: more than JUDGE_GLOBAL_LIMIT / JUDGE_CONCURRENCY add availability only.
+# evalbus-judge on Nomad. The judge: applies each batch's judges (judge-cases). JUDGE_MAX_IN_FLIGHT caps the cases judged
+# at once across ALL allocations; a model provider's calls follow an adaptive limit they share, at most JUDGE_GLOBAL_LIMIT.
 #
 #   nomad var put nomad/jobs/evalbus-judge nats_url=...
 #   nomad job run -var image=registry.example.com/evalbus/judge:0.1.0 deploy/nomad/evalbus-judge.nomad.hcl

@@ -7,6 +7,7 @@ set, with that reply to every request — a provider that is down for a while.
     base_url = await server.start()          # http://127.0.0.1:<port>/v1
     server.push(Reply(status=429, headers={"Retry-After": "1"}))
     server.outage = Reply(status=500, body=error_body("down", "server_error"))
+    server.rate_limit = RateLimit(per_s=20)  # a provider's rate limit: 429 past 20 requests a second
     …
     await server.stop()
 
@@ -17,6 +18,7 @@ it with `JUDGE_MODEL_BASE_URL`).
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 import time
 from collections import Counter, deque
@@ -40,6 +42,18 @@ class Reply:
     """Never answer until the server stops: a request timeout for the client."""
     echo_auth: bool = False
     """Quote the received Authorization header in an error body, as some providers do."""
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """A provider's request rate limit: at most `per_s` requests accepted in each wall-clock
+    second (fixed windows), the others answered 429 with `Retry-After` (whole seconds) and
+    `retry-after-ms` (until the next window), as OpenAI does; every answer carries
+    `x-ratelimit-limit-requests` and `x-ratelimit-remaining-requests`. Requests take `latency_s`
+    (a model's thinking time) before they are counted and answered."""
+
+    per_s: int
+    latency_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,11 @@ class ChatCompletionsServer:
         """While set, every request is answered with this reply (the script waits)."""
         self.statuses: Counter[int] = Counter()
         """HTTP status → responses sent with it (protocol errors and key refusals included)."""
+        self.rate_limit: RateLimit | None = None
+        """While set, requests past its rate are refused with 429 (before the script is read)."""
+        self.answered: list[tuple[float, int]] = []
+        """(monotonic time, status) of every answer under a rate limit."""
+        self._window = (0, 0)  # (wall-clock second, requests accepted in it)
         self._release = asyncio.Event()
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -133,6 +152,30 @@ class ChatCompletionsServer:
         self.statuses[response.status] += 1
         return response
 
+    def _take(self, limit: RateLimit) -> tuple[web.Response | None, dict[str, str]]:
+        """Count a request in its wall-clock second: a 429 past the limit, else the quota headers."""
+        now = time.time()
+        second = int(now)
+        window, used = self._window
+        if window != second:
+            used = 0
+        if used >= limit.per_s:
+            self._window = (second, used)
+            wait = second + 1 - now
+            headers = {
+                "Retry-After": str(max(1, math.ceil(wait))),
+                "retry-after-ms": str(max(1, round(wait * 1000))),
+                "x-ratelimit-limit-requests": str(limit.per_s),
+                "x-ratelimit-remaining-requests": "0",
+            }
+            body = error_body("Rate limit reached for requests", "requests", "rate_limit_exceeded")
+            return web.json_response(body, status=429, headers=headers), {}
+        self._window = (second, used + 1)
+        return None, {
+            "x-ratelimit-limit-requests": str(limit.per_s),
+            "x-ratelimit-remaining-requests": str(limit.per_s - used - 1),
+        }
+
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         try:
@@ -152,7 +195,26 @@ class ChatCompletionsServer:
                 return self._protocol_error("every message needs a role")
             if not isinstance(m.get("content"), str):
                 return self._protocol_error("every message needs string content")
+        limit = self.rate_limit
+        limit_headers: dict[str, str] = {}
+        if limit is not None:
+            if limit.latency_s > 0:
+                await asyncio.sleep(limit.latency_s)  # the model's thinking time, as a provider takes it
+            refused, limit_headers = self._take(limit)
+            if refused is not None:
+                self.answered.append((time.monotonic(), refused.status))
+                return refused
         reply = self.outage or (self.script.popleft() if self.script else self.default)
+        if limit is not None:
+            self.answered.append((time.monotonic(), reply.status))
+            reply = Reply(
+                status=reply.status,
+                body=reply.body,
+                raw=reply.raw,
+                headers={**reply.headers, **limit_headers},
+                hang=reply.hang,
+                echo_auth=reply.echo_auth,
+            )
         auth = request.headers.get("Authorization")
         if reply.echo_auth:
             return web.json_response(

@@ -15,6 +15,7 @@ from evalbus_contracts.streams import JUDGE_CASES
 from evalbus_judge.apply import ReadyEvent, judge_ready, observation_retry_delay
 from evalbus_judge.budget import BudgetUnavailableError, SpendLedger
 from evalbus_judge.chat import ChatClient
+from evalbus_judge.limits import ProviderLimits
 from evalbus_judge.registry import JudgeRegistry, ModelDefaults
 from evalbus_runtime import Delivery, Poison, Retry, Service, ServiceSettings, Stage
 
@@ -22,16 +23,20 @@ from evalbus_runtime import Delivery, Poison, Retry, Service, ServiceSettings, S
 class JudgeSettings(ServiceSettings):
     """Settings of the judge service (`JUDGE_<KEY>`, then `<KEY>`)."""
 
-    concurrency: int = 8
-    """Cases judged at once by one replica (the global limit is the consumer's max_ack_pending)."""
+    concurrency: int = 64
+    """Cases judged at once by one replica (a case waiting for a provider's slot holds one)."""
     model_base_url: str | None = None
     """Default OpenAI-compatible endpoint for model judges that name none."""
     model_api_key_secret: str | None = None
     """Secret name of the default endpoint's API key."""
     allowed_base_urls: str | None = None
     """Comma-separated base URLs, besides the default, that model judges may send a named secret to."""
-    global_limit: int = JUDGE_CASES.max_ack_pending
-    """Cases judged at once across ALL replicas (the consumer's max_ack_pending): a provider's limit."""
+    global_limit: int = 32
+    """Most model calls in flight to one provider (base URL + model) across ALL replicas: the
+    ceiling of its adaptive limit (`limits.py`), which starts at 2 and adapts to the provider."""
+    max_in_flight: int = 512
+    """Cases in flight across ALL replicas (the consumer's max_ack_pending): rule judges run at
+    this, not at a provider's limit."""
     plugins: str | None = None
     """Comma-separated `module:function` entries, each called with the registry at start to register
     custom judges by name (referenced from specs as `kind: registered`)."""
@@ -49,7 +54,8 @@ def load_plugins(registry: JudgeRegistry, plugins: str | None) -> None:
 
 def build_judge(service: Service, settings: JudgeSettings, registry: JudgeRegistry | None = None) -> JudgeRegistry:
     """Add the judge stage to `service`; returns the registry (tests register custom judges on it)."""
-    chat = ChatClient()
+    limits = ProviderLimits(ceiling=settings.global_limit, registry=service.metrics.registry)
+    chat = ChatClient(limits=limits)
     reg = registry or JudgeRegistry(
         chat=chat,
         model_defaults=ModelDefaults(
@@ -72,11 +78,12 @@ def build_judge(service: Service, settings: JudgeSettings, registry: JudgeRegist
     async def start(svc: Service) -> None:
         await chat.start()
         await spend.start(svc.js)
+        await limits.start(svc.js)
 
     async def stop(_: Service) -> None:
         await chat.close()
 
-    consumer = msgspec.structs.replace(JUDGE_CASES, max_ack_pending=settings.global_limit)
+    consumer = msgspec.structs.replace(JUDGE_CASES, max_ack_pending=settings.max_in_flight)
 
     async def handle(event: ReadyEvent, delivery: Delivery) -> Sequence[EventBase]:
         try:
