@@ -1,11 +1,16 @@
-"""SSE framing and parsing as pure logic: frames survive any chunking and multi-line data."""
+"""SSE framing and parsing as pure logic: frames survive any chunking and multi-line data; the
+fan-out's per-client buffer hands over in order and cuts a client only by its rules."""
 
 from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
 
 import pytest
 
 from evalbus_gateway.api.sse import end_frame, event_type, final_status, frame
 from evalbus_gateway.client import SseEvent, SseParser
+from evalbus_gateway.live.fanout import Lagged, Watcher
 
 pytestmark = pytest.mark.unit
 
@@ -48,3 +53,67 @@ def test_final_status() -> None:
 
 def test_event_names_cannot_break_the_framing() -> None:
     assert frame(b"d", event="a\nb") == b"event: a b\ndata: d\n\n"
+
+
+# ---------------------------------------------------------------- the fan-out's per-client buffer
+
+
+@dataclass(frozen=True)
+class _Item:
+    seq: int
+
+
+def cut(watcher: Watcher[_Item]) -> bool:
+    """Whether the watcher was cut (read through a call: mypy would hold on to an earlier answer)."""
+    return watcher.lagged
+
+
+class _BackedUp:
+    """A response whose write waits until released (a client that does not read)."""
+
+    def __init__(self) -> None:
+        self.released = asyncio.Event()
+        self.written: list[bytes] = []
+
+    async def write(self, data: bytes) -> None:
+        await self.released.wait()
+        self.written.append(data)
+
+
+async def test_a_watcher_hands_over_what_waits_in_order_and_wakes_on_an_offer() -> None:
+    watcher: Watcher[_Item] = Watcher(4)
+    assert await watcher.take(0.0) == []  # nothing came
+    taking = asyncio.ensure_future(watcher.take(30.0))
+    await asyncio.sleep(0)  # the taker waits
+    watcher.offer(_Item(1))
+    watcher.offer(_Item(2))
+    assert await asyncio.wait_for(taking, 5) == [_Item(1), _Item(2)]
+
+
+async def test_a_watcher_is_cut_at_its_limit_only_while_its_client_is_backed_up() -> None:
+    lags: list[int] = []
+    watcher: Watcher[_Item] = Watcher(4, on_lag=lambda: lags.append(1))
+    for seq in range(1, 9):  # twice the limit, but nothing is being written: a burst, kept
+        watcher.offer(_Item(seq))
+    assert not cut(watcher)
+    assert [i.seq for i in await watcher.take(0.0)] == list(range(1, 9))
+    response = _BackedUp()
+    writing = asyncio.ensure_future(watcher.write(response, b"x"))  # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    for seq in range(9, 14):
+        watcher.offer(_Item(seq))
+    assert cut(watcher)
+    assert lags == [1]
+    with pytest.raises(Lagged):
+        await watcher.take(0.0)  # the buffer was dropped
+    response.released.set()
+    await writing
+
+
+async def test_a_watcher_is_cut_at_four_times_its_limit_in_any_case() -> None:
+    watcher: Watcher[_Item] = Watcher(4)
+    for seq in range(1, 17):
+        watcher.offer(_Item(seq))
+    assert not cut(watcher)
+    watcher.offer(_Item(17))
+    assert cut(watcher)
