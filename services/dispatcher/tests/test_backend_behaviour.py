@@ -354,6 +354,7 @@ async def test_cancel_kills_and_releases(target: Target, make: Callable[..., Cas
     assert target.gone is None or await target.gone()
     if target.fake is not None:
         assert target.fake.deletions[-1][1] == "Background"
+        assert target.fake.watches >= 1  # the pod is watched, not only polled
 
 
 # ---------------------------------------------------------------- orchestrator scenarios

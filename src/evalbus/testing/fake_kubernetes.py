@@ -235,6 +235,8 @@ class FakeKubernetes:
         """(method, path) of every request, in order."""
         self.deletions: list[tuple[str, str | None]] = []
         """(job name, propagationPolicy) of every Job deletion."""
+        self.watches = 0
+        """Watches of pods opened."""
         self.exec_protocols: list[str] = []
         """The subprotocol each exec connection settled on."""
         self._changed = asyncio.Condition()
@@ -461,12 +463,47 @@ class FakeKubernetes:
         if isinstance(labels, web.Response):
             return labels
         ns = request.match_info["ns"]
-        items = [
-            pod.body()
-            for pod in self.pods.values()
-            if pod.namespace == ns and all(pod.labels.get(k) == v for k, v in labels.items())
-        ]
+
+        def matching() -> dict[str, Json]:
+            return {
+                pod.name: pod.body()
+                for pod in self.pods.values()
+                if pod.namespace == ns and all(pod.labels.get(k) == v for k, v in labels.items())
+            }
+
+        if request.query.get("watch") in ("true", "1"):
+            return await self._watch(request, matching)
+        items = list(matching().values())
         return web.json_response({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items})
+
+    async def _watch(self, request: web.Request, matching: Any) -> web.StreamResponse:
+        """A watch: one JSON `WatchEvent` per line (ADDED, MODIFIED, DELETED) until `timeoutSeconds`."""
+        try:
+            limit = float(request.query.get("timeoutSeconds", "1800"))
+        except ValueError:
+            return self._refuse(400, "BadRequest", "timeoutSeconds must be a number")
+        self.watches += 1
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        sent: dict[str, Json] = {}
+        deadline = asyncio.get_running_loop().time() + limit
+        try:
+            while asyncio.get_running_loop().time() < deadline:
+                now = matching()
+                lines = [
+                    {"type": "MODIFIED" if name in sent else "ADDED", "object": body}
+                    for name, body in now.items()
+                    if sent.get(name) != body
+                ]
+                lines += [{"type": "DELETED", "object": body} for name, body in sent.items() if name not in now]
+                for line in lines:
+                    await response.write(json.dumps(line).encode() + b"\n")
+                sent = now
+                await self._wait_change()
+            await response.write_eof()
+        except ConnectionError:  # the client stopped watching
+            pass
+        return response
 
     async def _list_all_pods(self, request: web.Request) -> web.StreamResponse:
         if (refused := self._check(request, _LIST_PARAMS)) is not None:

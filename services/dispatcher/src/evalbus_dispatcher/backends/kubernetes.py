@@ -23,6 +23,7 @@ followers (one per running case) plus the polls.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -41,6 +42,7 @@ import aiohttp
 import msgspec
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
+from kubernetes import watch
 from kubernetes.client.exceptions import ApiException
 
 from evalbus_contracts import CaseRequested, PromptSnapshot, Snapshot, batch_run_id
@@ -615,6 +617,9 @@ class KubernetesSandbox:
         self._follower: asyncio.Future[None] | None = None
         self._response: Any = None
         self._received = 0
+        self._changed = asyncio.Event()
+        self._watch: Any = None
+        self._watching: asyncio.Future[None] | None = None
 
     @property
     def unit(self) -> str | None:
@@ -706,6 +711,16 @@ class KubernetesSandbox:
         await self._say("submitted", f"Job {self.name} submitted to namespace {self._backend.template.namespace}")
         started = time.monotonic()
         limit = self._backend.template.start_timeout_s
+        spec = runner_job(self._job, run_of(self._job))
+        self._start_watch(limit + spec.timeout_s + sum(c.timeout_s for c in spec.checks) + 120.0)
+        try:
+            return await self._run(on_output, on_spawn, started, limit, spec)
+        finally:
+            self._stop_watch()
+
+    async def _run(
+        self, on_output: OnOutput, on_spawn: OnSpawn | None, started: float, limit: float, spec: RunnerJob
+    ) -> HarnessRun:
         while True:
             placement = await self._poll()
             failure = start_failure(placement)
@@ -720,7 +735,7 @@ class KubernetesSandbox:
                 return HarnessRun(
                     exit_code=None, stdout="", stderr="", spawn_error=f"the pod did not start within {limit:g}s: {why}"
                 )
-            await asyncio.sleep(self._backend.poll_s)
+            await self._pause()
         self._running = placement.phase == "running"
         ran_from = time.monotonic()
 
@@ -730,7 +745,6 @@ class KubernetesSandbox:
                 await on_spawn(pid)
 
         job_log = self._log = JobLog(on_output, spawned)
-        spec = runner_job(self._job, run_of(self._job))
         lines = LineSplitter()
         await self._follow(job_log, lines, spec.timeout_s + sum(c.timeout_s for c in spec.checks) + 120.0)
         final = await self._settled()
@@ -743,6 +757,40 @@ class KubernetesSandbox:
             timed_out=bool(final.reason and final.reason.startswith("DeadlineExceeded")),
         )
         return job_log.harness_run(end, time.monotonic() - ran_from)
+
+    def _start_watch(self, seconds: float) -> None:
+        """Watch the Job's pod in the pool: every change wakes `_pause` at once (the Events are
+        still read on each poll). Without a watch (refused, dropped) the polls go on alone."""
+        backend = self._backend
+        loop = asyncio.get_running_loop()
+        watcher = self._watch = watch.Watch()  # type: ignore[no-untyped-call]
+
+        def changed() -> None:
+            self._changed.set()
+
+        def run() -> None:
+            try:
+                for _ in watcher.stream(  # type: ignore[no-untyped-call]
+                    backend.core.list_namespaced_pod, backend.template.namespace,
+                    label_selector=f"job-name={self.name}", timeout_seconds=int(seconds),
+                    _request_timeout=(30.0, seconds + 30.0),
+                ):  # fmt: skip
+                    loop.call_soon_threadsafe(changed)
+            except Exception as e:  # refused or dropped: polling carries on
+                log.info("watching the pod of %s ended: %s", self.name, e)
+
+        self._watching = loop.run_in_executor(backend._pool, run)
+
+    def _stop_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()  # also unblocks the thread's read
+
+    async def _pause(self) -> None:
+        """Until the pod changes, or the poll interval passed."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._backend.poll_s):
+                await self._changed.wait()
+        self._changed.clear()
 
     async def _follow(self, job_log: JobLog, lines: LineSplitter, read_timeout_s: float) -> None:
         """The container's log while it runs, decoded line by line as it comes (whole lines only:
@@ -799,7 +847,7 @@ class KubernetesSandbox:
             placement = await self._poll()
             if placement.phase == "dead" or placement.unit is None or time.monotonic() > deadline:
                 return placement
-            await asyncio.sleep(self._backend.poll_s)
+            await self._pause()
 
     async def exec(self, command: str, timeout_s: float) -> ExecResult:
         """What the runner's check gave for `command` (the job has ended: the runner ran it there)."""
@@ -857,6 +905,7 @@ class KubernetesSandbox:
             return
         self._released = True
         self._running = False
+        self._stop_watch()
         try:
             await self._backend.delete(self.name)
         finally:
