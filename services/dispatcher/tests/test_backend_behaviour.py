@@ -338,6 +338,9 @@ async def test_logs_while_running_then_exec_and_shell(target: Target, make: Call
     done = await run(target, make(WAIT_FOR_GO), records, during=during)
     assert done.status == "succeeded", done.result.failure
     assert done.result.answer == "went"
+    if target.name in ("local", "nomad"):  # what the unit uses: procfs, the Nomad client's allocation stats
+        samples = [r[1] for r in records if r[0] == "placement"]
+        assert any(s.rss_bytes for s in samples), samples
     live_exec = seen["exec"]
     assert live_exec.exit_code == 0
     assert "from-exec" in live_exec.stdout

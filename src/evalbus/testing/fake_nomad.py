@@ -198,6 +198,7 @@ class FakeNomad:
         app.router.add_get("/v1/nodes", self._nodes)
         app.router.add_get("/v1/client/fs/logs/{alloc}", self._logs)
         app.router.add_get("/v1/client/allocation/{alloc}/exec", self._exec)
+        app.router.add_get("/v1/client/allocation/{alloc}/stats", self._stats)
         self._runner = web.AppRunner(app, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -512,6 +513,24 @@ class FakeNomad:
         offset = int(request.query.get("offset", "0"))
         body = bytes(data[offset:]) if request.query.get("origin", "start") == "start" else bytes(data[-offset:])
         return web.Response(body=body, content_type="text/plain")
+
+    async def _stats(self, request: web.Request) -> web.StreamResponse:
+        """`AllocResourceUsage`: the task's resident memory (its process tree), CPU not measured."""
+        if unknown := sorted(set(request.query) - {"namespace", "region"}):
+            return self._refuse(400, f"allocation stats: unknown parameter(s) {unknown}")
+        alloc = self.allocs.get(request.match_info["alloc"])
+        if alloc is None:
+            return web.Response(status=404, text="Unknown allocation")
+        rss = tree_rss(alloc.process.pid) if alloc.process is not None and alloc.process.returncode is None else 0
+        usage = {
+            "MemoryStats": {"RSS": rss, "Cache": 0, "Swap": 0, "Usage": rss, "MaxUsage": rss, "Measured": ["RSS"]},
+            "CpuStats": {"SystemMode": 0, "UserMode": 0, "TotalTicks": 0, "Percent": 0, "Measured": []},
+            "DeviceStats": [],
+        }
+        return web.json_response(
+            {"ResourceUsage": usage, "Tasks": {alloc.spec["Name"]: {"ResourceUsage": usage, "Timestamp": _ns()}},
+             "Timestamp": _ns()}
+        )  # fmt: skip
 
     async def _exec(self, request: web.Request) -> web.StreamResponse:
         if unknown := sorted(set(request.query) - {"task", "command", "tty", "namespace", "region"}):

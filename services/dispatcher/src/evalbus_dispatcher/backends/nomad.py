@@ -439,10 +439,17 @@ class NomadSandbox:
         return await self._poll()
 
     def usage(self) -> UnitUsage | None:
-        """The harness's pid while the task runs."""
-        if not self._running or self._pid is None:
+        """The harness's pid and the allocation's resident memory while the task runs (the client's
+        allocation stats; blocking — the sampler calls it in a thread)."""
+        if not self._running or self._pid is None or self._alloc is None:
             return None
-        return UnitUsage(pid=self._pid, processes=1, rss_bytes=None, cpu_seconds=None)
+        rss: int | None = None
+        try:
+            stats = self._backend.client.client.allocation.read_allocation_stats(self._alloc)
+            rss = int(((stats.get("ResourceUsage") or {}).get("MemoryStats") or {}).get("RSS") or 0) or None
+        except (nomad.api.exceptions.BaseNomadException, requests.RequestException, ValueError) as e:
+            log.debug("cannot read the stats of %s: %s", self._alloc, e)
+        return UnitUsage(pid=self._pid, processes=1, rss_bytes=rss, cpu_seconds=None)
 
     async def _say(self, event: str, message: str) -> None:
         if self._mark is None:
