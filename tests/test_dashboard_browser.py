@@ -174,6 +174,7 @@ async def test_a_batch_and_a_running_run_watched_live_in_the_browser(
     await page.click('header nav a[data-nav="online"]')
     await expect(page.locator("h1")).to_have_text("Online suites")
     await shot(page, "06-online")
+    assert await csp_violations(page) == []
     await page.get_by_test_id("logout").click()
     await expect(page.get_by_test_id("login-error")).to_have_text("Logged out.")
     await page.close()
@@ -293,6 +294,7 @@ async def test_an_online_suite_page_shows_its_scores_fates_and_chart(pipeline: P
     await expect(page.get_by_test_id("online-fates")).to_contain_text("judged")
     await expect(page.get_by_test_id("online-recent").locator("tbody tr")).to_have_count(min(n, 20))
     await shot(page, "07-online-suite")
+    assert await csp_violations(page) == []
     await page.close()
 
 
