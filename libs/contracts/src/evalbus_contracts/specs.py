@@ -367,10 +367,22 @@ class ModelJudge(_Judge, frozen=True, kw_only=True, tag="model"):
 
 
 class EmbeddingJudge(_Judge, frozen=True, kw_only=True, tag="embedding"):
-    """Cosine similarity between answer and `expected` embeddings on a local model."""
+    """Cosine similarity between answer and `expected` embeddings: from an OpenAI-compatible
+    `/embeddings` endpoint, else a local sentence-transformers model when one is importable."""
 
     threshold: float = 0.8
     """Similarity at or above which the case passes."""
+    base_url: str | None = None
+    """Embeddings API base URL (…/v1); unset means the judge service's default endpoint, if any,
+    else a local model."""
+    model: str = "text-embedding-3-small"
+    """Embedding model name (for an endpoint)."""
+    api_key_secret: str | None = None
+    """Secret *name* holding the endpoint's API key."""
+    timeout_s: float = 30.0
+    """Per-request timeout."""
+    price: ModelPrice | None = None
+    """What the model costs per million input tokens (`output_per_mtok` unused), to account the spend."""
 
 
 class RegisteredJudge(_Judge, frozen=True, kw_only=True, tag="registered"):
