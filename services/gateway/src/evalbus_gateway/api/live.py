@@ -36,7 +36,7 @@ from evalbus_gateway.api.reads import requested_on_stream
 from evalbus_gateway.api.table import Body, Call, Param, Route
 from evalbus_gateway.api.validation import header_seq, path_id
 from evalbus_gateway.errors import NotReadyError
-from evalbus_gateway.live.fanout import LAGGING, Fanout, FeedSpec, Lagged, Watcher, abort_later, catch_up, replay
+from evalbus_gateway.live.fanout import LAGGING, AbortOnLag, Fanout, FeedSpec, Lagged, Watcher, catch_up, replay
 from evalbus_gateway.live.reads import (
     Executed,
     ExecutedStatus,
@@ -164,7 +164,8 @@ async def stream_run(
     if (run.view is None or run.view.executed_status is None) and run.batch_id is not None and run.case_id is not None:
         executed = executed_feed(run.batch_id, run.case_id)
     buffer = state.settings.sse_client_buffer
-    watcher: Watcher[Stored | Executed] = Watcher(buffer, on_lag=abort_later(request.transport))
+    abort = AbortOnLag(request.transport)
+    watcher: Watcher[Stored | Executed] = Watcher(buffer, on_lag=abort)
     response = web.StreamResponse(
         status=200,
         headers={
@@ -188,6 +189,7 @@ async def stream_run(
     except ConnectionResetError:
         pass  # the client left
     except Lagged:
+        response.force_close()  # no keep-alive: the client reconnects afresh
         log.info("live stream of %s cut: the client fell %d messages behind", run.run_id, buffer)
         with contextlib.suppress(ConnectionResetError):
             await response.write(LAGGING)
@@ -200,6 +202,7 @@ async def stream_run(
         if current is not None:
             current.uncancel()  # closed by shutdown: end the response; the client resumes elsewhere
     finally:
+        abort.cancel()
         streams.leave()
         await fanout.leave(live, watcher)
         if executed is not None:

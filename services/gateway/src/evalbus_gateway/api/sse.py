@@ -33,7 +33,7 @@ from evalbus_contracts.streams import CASES
 from evalbus_gateway.api.models import StreamEnd
 from evalbus_gateway.api.reads import finalized_on_stream
 from evalbus_gateway.errors import NotReadyError
-from evalbus_gateway.live.fanout import LAGGING, Fanout, FeedSpec, Lagged, Watcher, abort_later, catch_up
+from evalbus_gateway.live.fanout import LAGGING, AbortOnLag, Fanout, FeedSpec, Lagged, Watcher, catch_up
 from evalbus_gateway.store.queries import BatchStatus
 
 log = logging.getLogger("evalbus.gateway.sse")
@@ -166,7 +166,8 @@ async def stream_batch_events(
         },
     )
     spec = batch_feed(batch_id)
-    watcher: Watcher[BatchFrame] = Watcher(buffer, on_lag=abort_later(request.transport))
+    abort = AbortOnLag(request.transport)
+    watcher: Watcher[BatchFrame] = Watcher(buffer, on_lag=abort)
     streams.enter()
     try:
         await response.prepare(request)
@@ -178,6 +179,7 @@ async def stream_batch_events(
     except ConnectionResetError:
         pass  # the client left
     except Lagged:
+        response.force_close()  # no keep-alive: the client reconnects afresh
         log.info("event stream of %s cut: the client fell %d events behind", batch_id, buffer)
         with contextlib.suppress(ConnectionResetError):
             await response.write(LAGGING)
@@ -190,6 +192,7 @@ async def stream_batch_events(
     except nats.errors.Error as e:
         log.info("event stream of %s ended: %s", batch_id, e)
     finally:
+        abort.cancel()
         streams.leave()
         await fanout.leave(spec, watcher)
     return response

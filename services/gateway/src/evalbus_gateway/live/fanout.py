@@ -345,19 +345,25 @@ async def catch_up(
         yield item
 
 
-def abort_later(transport: asyncio.BaseTransport | None, delay_s: float = ABORT_AFTER_S) -> Callable[[], None]:
-    """An `on_lag` for a watcher: abort `transport` after `delay_s` unless it closed meanwhile
-    (a client that reads nothing keeps the writer stuck in a write)."""
+class AbortOnLag:
+    """A watcher's `on_lag`: abort the connection after `delay_s` unless its stream ended meanwhile
+    (a client that reads nothing keeps the writer stuck in a write, so the stream cannot end)."""
 
-    def on_lag() -> None:
-        if transport is None:
-            return
+    def __init__(self, transport: asyncio.BaseTransport | None, delay_s: float = ABORT_AFTER_S) -> None:
+        self._transport = transport
+        self._delay_s = delay_s
+        self._timer: asyncio.TimerHandle | None = None
 
-        def abort() -> None:
-            if not transport.is_closing():
-                assert isinstance(transport, asyncio.WriteTransport)
-                transport.abort()
+    def __call__(self) -> None:
+        if self._transport is not None and self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self._delay_s, self._abort)
 
-        asyncio.get_running_loop().call_later(delay_s, abort)
+    def _abort(self) -> None:
+        transport = self._transport
+        if isinstance(transport, asyncio.WriteTransport) and not transport.is_closing():
+            transport.abort()
 
-    return on_lag
+    def cancel(self) -> None:
+        """The stream ended: leave its connection alone."""
+        if self._timer is not None:
+            self._timer.cancel()
