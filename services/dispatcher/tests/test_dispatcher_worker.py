@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from evalbus_contracts import (
@@ -31,9 +32,10 @@ from evalbus_contracts import (
 )
 from evalbus_contracts.specs import harness_problems
 from evalbus_dispatcher import LiveSink, LocalBackend, execute_case
+from evalbus_dispatcher.backends.local import REDACTED
 from evalbus_dispatcher.retry import should_retry
 
-from .conftest import LiveRecord
+from .conftest import SECRET_VALUE, LiveRecord
 
 pytestmark = pytest.mark.integration
 
@@ -355,3 +357,36 @@ def test_the_sdk_speaks_the_protocol_on_its_own(tmp_path: Path) -> None:
     assert lines[4] == {"type": "result", "run_id": "r1", "answer": "42"}
     assert lines[-1] == {"type": "result", "run_id": "r2"}  # None: no answer, the command fallbacks apply
     assert "raw fd 1 bytes" in done.stderr
+
+
+async def test_a_workers_secrets_are_redacted_from_what_it_says(
+    backend: LocalBackend, agent_dir: Path, live: LiveSink, live_records: list[LiveRecord]
+) -> None:
+    (agent_dir / "leaky.py").write_text(
+        textwrap.dedent(
+            """
+            import os, sys
+            from evalbus import harness
+
+            @harness
+            def solve(case, ctx):
+                key = os.environ["API_KEY"]
+                ctx.message("assistant", "the key is " + key)
+                print("printing", key)
+                print("stderr", key, file=sys.stderr)
+                return "answer with " + key
+            """
+        )
+    )
+    harness = HarnessSpec(
+        kind="worker", id="leaky", python=f"{agent_dir / 'leaky.py'}:solve", secret_env={"API_KEY": "api-key"}
+    )
+    try:
+        executed = await run(request("wsec", "c1", harness), backend, live)
+    finally:
+        await backend.close()
+    assert executed.status == "succeeded", executed.result.failure
+    assert executed.result.answer == f"answer with {REDACTED}"
+    everything = msgspec.json.encode(executed).decode() + repr(live_records)
+    assert SECRET_VALUE not in everything
+    assert everything.count(REDACTED) >= 4  # the answer, the message, the printed line, stderr
