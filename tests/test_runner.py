@@ -177,6 +177,26 @@ async def test_runner_refuses_a_missing_or_invalid_job(tmp_path: Path) -> None:
     assert "no job spec" in err
 
 
+async def test_a_live_exec_runs_in_the_workdir_with_the_jobs_secrets_masked(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("in the workdir")
+    env = {
+        "PATH": os.environ["PATH"],
+        "API_TOKEN": "s3cr3t-canary-value",
+        JOB_ENV: msgspec.json.encode(job()).decode(),
+    }
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "evalbus.runner", "--workdir", str(work), "--exec",
+        "cat notes.txt; echo; echo token=$API_TOKEN; echo oops $API_TOKEN >&2; exit 4",
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await proc.communicate()
+    assert proc.returncode == 4
+    assert out.decode().splitlines() == ["in the workdir", "token=[redacted]"]
+    assert err.decode().splitlines() == ["oops [redacted]"]
+
+
 @pytest.mark.unit
 def test_torn_record_lines_are_skipped_and_plain_lines_kept() -> None:
     line = record_line(Exited(exit_code=0, duration_s=1.5))

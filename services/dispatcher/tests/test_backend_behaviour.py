@@ -322,7 +322,7 @@ async def test_logs_while_running_then_exec_and_shell(target: Target, make: Call
     async def during(handle: SandboxHandle, _mark: MarkFn) -> None:
         await eventually(lambda: "tick 1" in log_text(records), timeout_s=60, what="the live log while it runs")
         assert isinstance(handle, Interactive)
-        seen["exec"] = await handle.exec_live("echo from-exec; ls harness.py", 30, cap_bytes=4096)
+        seen["exec"] = await handle.exec_live("echo from-exec key=$API_KEY; ls harness.py", 30, cap_bytes=4096)
         out: list[bytes] = []
 
         async def collect(data: bytes) -> None:
@@ -335,7 +335,7 @@ async def test_logs_while_running_then_exec_and_shell(target: Target, make: Call
         shell.write(b"touch go; exit\n")
         seen["shell"] = await shell.wait()
 
-    done = await run(target, make(WAIT_FOR_GO), records, during=during)
+    done = await run(target, make(WAIT_FOR_GO, secret_env={"API_KEY": "api-key"}), records, during=during)
     assert done.status == "succeeded", done.result.failure
     assert done.result.answer == "went"
     if target.name in ("local", "nomad"):  # what the unit uses: procfs, the Nomad client's allocation stats
@@ -343,7 +343,8 @@ async def test_logs_while_running_then_exec_and_shell(target: Target, make: Call
         assert any(s.rss_bytes for s in samples), samples
     live_exec = seen["exec"]
     assert live_exec.exit_code == 0
-    assert "from-exec" in live_exec.stdout
+    assert "from-exec key=[redacted]" in live_exec.stdout  # the secret is there, and masked
+    assert SECRET not in live_exec.stdout
     assert "harness.py" in live_exec.stdout
 
 

@@ -1,16 +1,18 @@
-"""`python -m evalbus.runner [--job FILE|-] [--workdir DIR]`: run one case attempt in this job."""
+"""`python -m evalbus.runner [--job FILE|-] [--workdir DIR]`: run one case attempt in this job;
+`--exec COMMAND`: run a live exec in the job's workdir, the job's secret values masked in its output."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 from pathlib import Path
 
 import msgspec
 
-from evalbus.runner.run import run_job
+from evalbus.runner.run import exec_masked, run_job
 from evalbus_contracts.runner import JOB_ENV, RunnerJob
 
 EXIT_BAD_JOB = 2
@@ -21,7 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m evalbus.runner", description=__doc__)
     parser.add_argument("--job", help=f"job spec file (JSON), `-` for stdin; default: ${JOB_ENV}")
     parser.add_argument("--workdir", default=".", help="where the harness runs (default: the current folder)")
+    parser.add_argument(
+        "--exec", dest="command", help="run this shell command in the workdir instead, its output masked"
+    )
     args = parser.parse_args(argv)
+    if args.command is not None:
+        return _exec(args.command, Path(args.workdir))
     if args.job == "-":
         raw = sys.stdin.buffer.read()
     elif args.job:
@@ -39,6 +46,32 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     return asyncio.run(run_job(job, workdir=workdir, environ=os.environ, write=_write_line))
+
+
+def _exec(command: str, workdir: Path) -> int:
+    """A live exec: the secrets to mask are the job's (`EVALBUS_JOB` in this environment)."""
+    secret_vars: tuple[str, ...] = ()
+    with contextlib.suppress(msgspec.DecodeError):
+        secret_vars = msgspec.json.decode(os.environ.get(JOB_ENV, "") or "{}", type=_Secrets).secret_vars
+    return asyncio.run(
+        exec_masked(
+            command,
+            workdir=workdir.resolve() if workdir.is_dir() else Path.cwd(),  # before the harness made it
+            environ=os.environ,
+            secret_vars=secret_vars,
+            write_out=_write_line,
+            write_err=_write_err,
+        )
+    )
+
+
+class _Secrets(msgspec.Struct, frozen=True):
+    secret_vars: tuple[str, ...] = ()
+
+
+def _write_err(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _write_line(line: str) -> None:

@@ -377,3 +377,21 @@ async def _check(
         stderr=redact(ended.stderr),
         timed_out=ended.timed_out,
     )
+
+
+async def exec_masked(
+    command: str, *, workdir: Path, environ: Mapping[str, str], secret_vars: tuple[str, ...], write_out: Write,
+    write_err: Write,
+) -> int:  # fmt: skip
+    """Run `command` with `sh -c` in `workdir` with the job's whole environment (secrets included) —
+    a person's exec into the live sandbox — its lines masked as the runner masks the harness's;
+    its exit code."""
+    redact = _redactor([environ[var] for var in secret_vars if var in environ])
+
+    async def line(stream: Stream, text: str) -> None:
+        (write_out if stream == "stdout" else write_err)(redact(text))
+
+    ended = await _run(
+        ("/bin/sh", "-c", command), cwd=workdir, env=environ, stdin=None, timeout_s=24 * 3600.0, on_line=line
+    )
+    return ended.exit_code

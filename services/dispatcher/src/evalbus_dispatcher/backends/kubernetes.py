@@ -865,9 +865,11 @@ class KubernetesSandbox:
         self, command: str, timeout_s: float, *, cap_bytes: int, on_spawn: OnSpawn | None = None
     ) -> LiveExec:
         """Run `command` with `sh -c` in the runner's workdir of the running container, over the
-        exec WebSocket; `BackendError` when the container is not running (or released)."""
+        exec WebSocket, through the runner (`--exec`: the job's secret values masked in what it
+        prints); `BackendError` when the container is not running (or released)."""
         self._check_live()
-        ws = await self._open(["/bin/sh", "-c", 'cd work 2>/dev/null; eval "$1"', "sh", command], tty=False)
+        runner = [*self._backend.template.runner_command, "--workdir", "work", "--exec", command]
+        ws = await self._open(runner, tty=False)  # through the runner: the secrets masked in the output
         got = await run_once(ws, timeout_s, max(cap_bytes, 1))
         cut = len(got.stdout) >= cap_bytes or len(got.stderr) >= cap_bytes
         return LiveExec(

@@ -24,6 +24,7 @@ import logging
 import math
 import re
 import secrets as token
+import shlex
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -562,8 +563,11 @@ class NomadSandbox:
     async def exec_live(
         self, command: str, timeout_s: float, *, cap_bytes: int, on_spawn: OnSpawn | None = None
     ) -> LiveExec:
-        """Run `command` with `sh -c` in the runner's workdir over the alloc exec WebSocket."""
-        ws = await self._open(["/bin/sh", "-c", 'cd "$NOMAD_TASK_DIR/work" 2>/dev/null; eval "$1"', "sh", command])
+        """Run `command` with `sh -c` in the runner's workdir over the alloc exec WebSocket, through
+        the runner (`--exec`: the job's secret values masked in what it prints)."""
+        runner = " ".join(shlex.quote(part) for part in self._backend.template.runner_command)
+        script = f'exec {runner} --workdir "$NOMAD_TASK_DIR/work" --exec "$1"'
+        ws = await self._open(["/bin/sh", "-c", script, "sh", command])  # the runner masks the secrets
         out, err = bytearray(), bytearray()
         code: int | None = None
         timed_out = False
