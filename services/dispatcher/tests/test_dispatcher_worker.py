@@ -7,8 +7,11 @@ the harness spec's rules."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -390,3 +393,29 @@ async def test_a_workers_secrets_are_redacted_from_what_it_says(
     everything = msgspec.json.encode(executed).decode() + repr(live_records)
     assert SECRET_VALUE not in everything
     assert everything.count(REDACTED) >= 4  # the answer, the message, the printed line, stderr
+
+
+async def test_an_idle_worker_that_dies_leaves_the_pool(backend: LocalBackend, agent_dir: Path, live: LiveSink) -> None:
+    harness = raw_harness(agent_dir)
+    try:
+        first = await run(request("wi", "c1", harness, input="ok"), backend, live)
+        assert first.result.answer is not None
+        pid = int(first.result.answer.split(":")[0])
+        assert backend.workers.idle_pids() == [pid]
+        os.kill(pid, signal.SIGKILL)  # killed while it waits for a case
+        await wait_until(lambda: backend.workers.size == 0)
+        second = await run(request("wi", "c2", harness, input="ok"), backend, live)
+    finally:
+        await backend.close()
+    assert second.status == "succeeded", second.result.failure
+    assert second.result.answer is not None
+    assert int(second.result.answer.split(":")[0]) != pid
+    assert backend.workers.spawned == 2
+
+
+async def wait_until(condition: Callable[[], bool], deadline_s: float = 10.0) -> None:
+    """Poll a condition until it holds (the pool notices a death on its own)."""
+    end = asyncio.get_running_loop().time() + deadline_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < end, "condition not met in time"
+        await asyncio.sleep(0.02)

@@ -109,8 +109,9 @@ class _Serving:
 class _Worker:
     """One warm worker process."""
 
-    def __init__(self, key: tuple[object, ...], home: Path, max_cases: int) -> None:
+    def __init__(self, key: tuple[object, ...], home: Path, max_cases: int, on_dead: Callable[[_Worker], None]) -> None:
         self.key = key
+        self._on_dead = on_dead
         self.home = home
         self.max_cases = max_cases
         self.pid = 0
@@ -247,6 +248,8 @@ class _Worker:
         await asyncio.wait(self._tasks[:2], timeout=2.0)
         self.dead = True
         self.drained.set()
+        # an idle worker that died (or any other) leaves the pool; not from inside this task
+        asyncio.get_running_loop().call_soon(self._on_dead, self)
         if not self.ready.done():
             self.ready.set_exception(_Exited())
         if self.serving is not None:
@@ -284,8 +287,13 @@ class _Worker:
             self.serving.finish(failure)
 
     def kill(self) -> None:
-        if self.pid:
-            _signal_group(self.pid, signal.SIGKILL)
+        """SIGKILL its process group: while the leader lives, or once it was reaped while processes
+        of its group remain (a group with none left may have had its id reused by another)."""
+        if not self.pid:
+            return
+        if self.exited.is_set() and procfs.group_usage(self.pid) is None:
+            return
+        _signal_group(self.pid, signal.SIGKILL)
 
     async def stop(self, grace_s: float) -> None:
         """End it: stdin closed (a served worker exits by itself), killed after `grace_s`; its home
@@ -543,7 +551,7 @@ class WorkerPool:
             self._evict_one()
         home = Path(tempfile.mkdtemp(prefix="evalbus-worker-", dir=self._root))
         (home / OWNER_FILE).write_text(_owner_mark(os.getpid()))
-        worker = _Worker(key, home, max_cases)
+        worker = _Worker(key, home, max_cases, self._retire)
         worker.oom_kills = procfs.oom_kills()
         try:
             await worker.start(argv, env, redact)
