@@ -1,4 +1,4 @@
-"""An OpenAI-compatible chat-completions server on 127.0.0.1 for tests of model judges: it checks
+"""An OpenAI-compatible chat-completions (and embeddings) server on 127.0.0.1 for tests of model judges: it checks
 the request shape and bearer key, records every request with its arrival time, and answers from a
 script (documented bodies, 429 + Retry-After, 5xx, garbage, hangs) or, while an `outage` reply is
 set, with that reply to every request — a provider that is down for a while.
@@ -130,6 +130,7 @@ class ChatCompletionsServer:
     async def start(self) -> str:
         app = web.Application()
         app.router.add_post("/{prefix:.*}chat/completions", self._handle)
+        app.router.add_post("/{prefix:.*}embeddings", self._embeddings)
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -149,6 +150,48 @@ class ChatCompletionsServer:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         response = await self._answer(request)
+        self.statuses[response.status] += 1
+        return response
+
+    async def _embeddings(self, request: web.Request) -> web.StreamResponse:
+        """`POST …/embeddings`: each input's vector is its letter counts (a–z), so texts with the
+        same letters are similar and others are not; usage counts one prompt token per word."""
+        raw = await request.read()
+        try:
+            body = msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            body = None
+        self.requests.append(Recorded(request.path, time.monotonic(), time.time(), dict(request.headers), body))
+        if self.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            response = web.json_response(error_body("Incorrect API key provided.", "invalid_request_error"), status=401)
+        elif self.outage is not None:
+            response = web.json_response(self.outage.body, status=self.outage.status, headers=self.outage.headers)
+        elif (
+            not isinstance(body, dict)
+            or not isinstance(body.get("model"), str)
+            or not isinstance(body.get("input"), list)
+            or not all(isinstance(x, str) for x in body["input"])
+        ):
+            response = self._protocol_error("body must be a JSON object with a model and a list of input strings")
+        else:
+            texts: list[str] = body["input"]
+            data = [
+                {
+                    "object": "embedding",
+                    "index": i,
+                    "embedding": [float(text.lower().count(c)) for c in "abcdefghijklmnopqrstuvwxyz"],
+                }
+                for i, text in enumerate(texts)
+            ]
+            tokens = sum(len(text.split()) for text in texts)
+            response = web.json_response(
+                {
+                    "object": "list",
+                    "data": data,
+                    "model": body["model"],
+                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                }
+            )
         self.statuses[response.status] += 1
         return response
 

@@ -66,8 +66,6 @@ JudgedStatus = Literal["judged", "skipped"]
 """Status of a `case.judged` event."""
 ReadyEvent = CaseExecuted | CaseCollected | CaseObserved
 """The events the judge stage consumes."""
-BUDGETED_KINDS = frozenset({"model"})
-"""Judge kinds that spend money per call, held to an online suite's daily budget."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,7 +217,8 @@ async def judge_ready(
 
 
 def _budgeted(entry: ResolvedJudge) -> bool:
-    return entry.kind in BUDGETED_KINDS and entry.resolved
+    """A judge whose calls cost money (a model judge, an embedding judge on an endpoint)."""
+    return entry.resolved and bool(getattr(entry.judge, "spends", False))
 
 
 async def _over_budget(event: CaseObserved, judges: tuple[ResolvedJudge, ...], spend: Spend) -> str | None:

@@ -142,8 +142,10 @@ class ChatClient:
         api_key: SecretValue | None,
         timeout_s: float,
         max_retries: int,
+        path: str = "chat/completions",
     ) -> ChatReply | ChatFailure:
-        """POST `payload` to `{base_url}/chat/completions`, retrying transient failures.
+        """POST `payload` to `{base_url}/{path}` (chat completions; `embeddings` for the embedding
+        judge), retrying transient failures.
 
         At most `1 + max_retries` requests that fail for another reason than a rate limit, each
         bounded by `timeout_s`: a 429 backs off (its `Retry-After`, else the policy's backoff)
@@ -156,7 +158,7 @@ class ChatClient:
         session = self._session
         if session is None or session.closed:
             raise JudgeMachineryError("ChatClient.start() was not called")
-        url = base_url.rstrip("/") + "/chat/completions"
+        url = base_url.rstrip("/") + "/" + path
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if api_key is not None:
             headers["Authorization"] = f"Bearer {api_key.reveal()}"

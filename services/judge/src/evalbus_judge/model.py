@@ -205,6 +205,9 @@ def read_usage(body: Any, *, model: str, price: ModelPrice | None) -> JudgeUsage
 class ChatModelJudge:
     """A `model` judge bound to its endpoint, API-key secret name and the process's chat client."""
 
+    spends = True
+    """Its calls cost money: held to an online suite's daily budget."""
+
     def __init__(
         self,
         spec: ModelJudge,
@@ -236,7 +239,7 @@ class ChatModelJudge:
             max_retries=max(0, self.spec.max_retries),
         )
         if isinstance(outcome, ChatFailure):
-            return _failure_score(judge_id, outcome)
+            return failure_score(judge_id, outcome)
         # a 2xx is billed whatever it says, so even a verdict that breaks the contract carries its usage
         usage = read_usage(outcome.body, model=self.spec.model, price=self.spec.price)
         found = read_verdict(outcome.body)
@@ -247,7 +250,9 @@ class ChatModelJudge:
         return msgspec.structs.replace(measured(judge_id, found.score, passed=passed, detail=detail), usage=usage)
 
 
-def _failure_score(judge_id: str, failure: ChatFailure) -> Score:
+def failure_score(judge_id: str, failure: ChatFailure) -> Score:
+    """A transport failure as a score: `invalid` for a reply that breaks the protocol, else
+    `unmeasured` (timeout or error, retryable when a later attempt could succeed)."""
     attempts = f" after {failure.attempts} attempt{'s' if failure.attempts != 1 else ''}"
     if failure.kind == "protocol":
         return invalid(judge_id, failure.detail)

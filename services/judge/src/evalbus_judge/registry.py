@@ -1,8 +1,8 @@
 """The judge registry: which implementation serves each `JudgeSpec`, resolved once per batch.
 
-A judge the service cannot run — an unknown registered name, an `embedding` judge without a local
-embedding model, a `model` judge with no base URL anywhere — is still resolved, to a placeholder
-that scores every case `unmeasured: unsupported` (never a failure). A `model` judge whose named
+A judge the service cannot run — an unknown registered name, an `embedding` judge without an
+endpoint or a local embedding model, a `model` judge with no base URL anywhere — is still
+resolved, to a placeholder that scores every case `unmeasured: unsupported` (never a failure). A `model` judge whose named
 API-key secret is missing resolves to `unmeasured: missing_secret`, so no unauthenticated call is
 ever made.
 """
@@ -30,7 +30,7 @@ from evalbus_contracts import (
 )
 from evalbus_judge.chat import ChatClient
 from evalbus_judge.context import Judge, JudgeContext, unmeasured
-from evalbus_judge.embedding import Embedder, EmbeddingSimilarity
+from evalbus_judge.embedding import Embedder, EmbeddingSimilarity, EndpointEmbeddingSimilarity
 from evalbus_judge.model import ChatModelJudge
 from evalbus_judge.rules import ContainsRule, ExactRule, JsonSchemaRule, NumericRule, RegexRule
 from evalbus_runtime.secrets import SecretStore
@@ -168,9 +168,7 @@ class JudgeRegistry:
             case ModelJudge():
                 return self._model_judge(spec)
             case EmbeddingJudge():
-                if self.embedder is None:
-                    return UnavailableJudge(spec.id, "unsupported", "no local embedding model is available")
-                return EmbeddingSimilarity(spec, self.embedder)
+                return self._embedding_judge(spec)
             case RegisteredJudge():
                 factory = self._factories.get(spec.name)
                 if factory is None:
@@ -182,23 +180,54 @@ class JudgeRegistry:
                         spec.id, "grader_error", f"judge {spec.name!r} could not be built: {type(e).__name__}: {e}"
                     )
 
+    def _embedding_judge(self, spec: EmbeddingJudge) -> Judge:
+        """The spec's endpoint; else a local model; else the service's default endpoint."""
+        if spec.base_url is None and self.embedder is not None:
+            return EmbeddingSimilarity(spec, self.embedder)
+        endpoint = self._endpoint(spec.id, spec.base_url, spec.api_key_secret)
+        if isinstance(endpoint, UnavailableJudge):
+            if endpoint.reason == "unsupported":
+                return UnavailableJudge(
+                    spec.id,
+                    "unsupported",
+                    "no embeddings base URL is configured and no local embedding model is available",
+                )
+            return endpoint
+        assert self.chat is not None
+        base_url, secret_name = endpoint
+        return EndpointEmbeddingSimilarity(
+            spec, chat=self.chat, base_url=base_url, api_key_secret=secret_name, secrets=self.secrets
+        )
+
     def _model_judge(self, spec: ModelJudge) -> Judge:
-        base_url = spec.base_url or self.model_defaults.base_url
+        endpoint = self._endpoint(spec.id, spec.base_url, spec.api_key_secret)
+        if isinstance(endpoint, UnavailableJudge):
+            return endpoint
+        assert self.chat is not None
+        base_url, secret_name = endpoint
+        return ChatModelJudge(spec, chat=self.chat, base_url=base_url, api_key_secret=secret_name, secrets=self.secrets)
+
+    def _endpoint(
+        self, judge_id: str, spec_base_url: str | None, spec_secret: str | None
+    ) -> tuple[str, str | None] | UnavailableJudge:
+        """The base URL and API-key secret name a judge of an OpenAI-compatible endpoint may use,
+        or the placeholder that says why it may not."""
+        base_url = spec_base_url or self.model_defaults.base_url
         if not base_url:
-            return UnavailableJudge(spec.id, "unsupported", "no model base URL is configured")
+            return UnavailableJudge(judge_id, "unsupported", "no model base URL is configured")
         if self.chat is None:
-            return UnavailableJudge(spec.id, "unsupported", "the judge service has no chat client")
-        secret_name = spec.api_key_secret
+            return UnavailableJudge(judge_id, "unsupported", "the judge service has no chat client")
+        secret_name = spec_secret
         if secret_name is None and base_url == self.model_defaults.base_url:
             # The service's own key goes only to the service's own endpoint, never to a URL a batch chose.
             secret_name = self.model_defaults.api_key_secret
         trusted = {u.rstrip("/") for u in (self.model_defaults.base_url, *self.model_defaults.allowed_base_urls) if u}
         if secret_name is not None and "*" not in trusted and base_url.rstrip("/") not in trusted:
             return UnavailableJudge(
-                spec.id,
+                judge_id,
                 "policy_skip",
                 f"base URL {base_url} may not receive secrets (add it to JUDGE_ALLOWED_BASE_URLS)",
             )
         if secret_name is not None and self.secrets.get(secret_name) is None:
-            return UnavailableJudge(spec.id, "missing_secret", f"secret {secret_name!r} is not set")
-        return ChatModelJudge(spec, chat=self.chat, base_url=base_url, api_key_secret=secret_name, secrets=self.secrets)
+            return UnavailableJudge(judge_id, "missing_secret", f"secret {secret_name!r} is not set")
+        return base_url, secret_name
