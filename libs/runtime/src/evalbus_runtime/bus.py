@@ -10,6 +10,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
 from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.kv import KeyValue
 
 from evalbus_contracts.streams import (
     BUCKETS,
@@ -132,6 +133,13 @@ async def ensure_bucket(js: JetStreamContext, bucket: KvDef, replicas: int = 1) 
         stream.max_msgs_per_subject = bucket.history
         stream.max_msg_size = bucket.max_value_size
         await js.update_stream(stream)
+
+
+async def open_bucket(js: JetStreamContext, bucket: KvDef, replicas: int = 1) -> KeyValue:
+    """A service's own key-value bucket, created (or updated) with `replicas` replicas — the
+    service's `STREAM_REPLICAS`, so the bucket survives a node as the streams do — then opened."""
+    await ensure_bucket(js, bucket, replicas)
+    return await js.key_value(bucket.bucket)
 
 
 async def ensure_topology(

@@ -28,10 +28,12 @@ from datetime import UTC, datetime
 from typing import Protocol
 
 from nats.js import JetStreamContext
-from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from evalbus_contracts.streams import KvDef
 from evalbus_judge.errors import JudgeServiceError
+from evalbus_runtime.bus import open_bucket
 
 log = logging.getLogger("evalbus.judge.budget")
 
@@ -75,12 +77,10 @@ class SpendLedger:
         self._clock = clock
         self._kv: KeyValue | None = None
 
-    async def start(self, js: JetStreamContext) -> None:
-        """Open (creating it when missing) the bucket."""
-        try:
-            self._kv = await js.create_key_value(bucket=BUCKET, ttl=TTL_S, history=1)
-        except BadRequestError:  # it exists with another definition: use it as it is
-            self._kv = await js.key_value(BUCKET)
+    async def start(self, js: JetStreamContext, replicas: int = 1) -> None:
+        """Open the bucket, creating it with `replicas` replicas (the service's `STREAM_REPLICAS`)
+        when missing."""
+        self._kv = await open_bucket(js, KvDef(bucket=BUCKET, ttl_s=TTL_S, history=1), replicas)
 
     def _open(self) -> KeyValue:
         if self._kv is None:

@@ -40,9 +40,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 from nats.js import JetStreamContext
-from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from prometheus_client import CollectorRegistry, Gauge
+
+from evalbus_contracts.streams import KvDef
+from evalbus_runtime.bus import open_bucket
 
 log = logging.getLogger("evalbus.judge.limits")
 
@@ -220,12 +223,10 @@ class ProviderLimits:
             "evalbus_judge_provider_in_flight", "Model calls in flight to a provider", ["provider"], registry=registry
         )
 
-    async def start(self, js: JetStreamContext) -> None:
-        """Open (creating it when missing) the bucket."""
-        try:
-            self._kv = await js.create_key_value(bucket=BUCKET, ttl=TTL_S, history=1)
-        except BadRequestError:  # it exists with another definition: use it as it is
-            self._kv = await js.key_value(BUCKET)
+    async def start(self, js: JetStreamContext, replicas: int = 1) -> None:
+        """Open the bucket, creating it with `replicas` replicas (the service's `STREAM_REPLICAS`)
+        when missing."""
+        self._kv = await open_bucket(js, KvDef(bucket=BUCKET, ttl_s=TTL_S, history=1), replicas)
 
     def limiter(self, base_url: str, model: str) -> ProviderLimiter:
         """The limiter of one provider (made on first use)."""

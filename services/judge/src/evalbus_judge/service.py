@@ -77,8 +77,8 @@ def build_judge(service: Service, settings: JudgeSettings, registry: JudgeRegist
 
     async def start(svc: Service) -> None:
         await chat.start()
-        await spend.start(svc.js)
-        await limits.start(svc.js)
+        await spend.start(svc.js, svc.settings.stream_replicas)
+        await limits.start(svc.js, svc.settings.stream_replicas)
 
     async def stop(_: Service) -> None:
         await chat.close()

@@ -16,8 +16,11 @@ import time
 from collections.abc import Callable
 
 from nats.js import JetStreamContext
-from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
+
+from evalbus_contracts.streams import KvDef
+from evalbus_runtime.bus import open_bucket
 
 log = logging.getLogger("evalbus.collector.rates")
 
@@ -40,12 +43,10 @@ class RateCaps:
         self._clock = clock
         self._kv: KeyValue | None = None
 
-    async def start(self, js: JetStreamContext) -> None:
-        """Open (creating it when missing) the bucket."""
-        try:
-            self._kv = await js.create_key_value(bucket=BUCKET, ttl=TTL_S, history=1)
-        except BadRequestError:  # it exists with another definition: use it as it is
-            self._kv = await js.key_value(BUCKET)
+    async def start(self, js: JetStreamContext, replicas: int = 1) -> None:
+        """Open the bucket, creating it with `replicas` replicas (the service's `STREAM_REPLICAS`)
+        when missing."""
+        self._kv = await open_bucket(js, KvDef(bucket=BUCKET, ttl_s=TTL_S, history=1), replicas)
 
     async def take(self, suite_id: str, cap: int, now_s: float | None = None) -> bool:
         """Take one of the suite's `cap` slots of the current minute; False when they are all taken."""

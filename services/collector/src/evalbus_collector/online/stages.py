@@ -79,7 +79,7 @@ class OnlineIngest:
         )
 
     async def _start(self, service: Service) -> None:
-        await self.rates.start(service.js)
+        await self.rates.start(service.js, service.settings.stream_replicas)
         await self.suites.start(service.js)
         self._ticker = asyncio.create_task(self.assembler.run_ticker(), name="trace-assembly")
         s = self._settings
