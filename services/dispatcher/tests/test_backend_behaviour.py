@@ -92,6 +92,8 @@ class Target:
     fake: FakeKubernetes | None = None
     add_node: Callable[[str, float, int, dict[str, str]], None] | None = None
     """Adds a node of (name, CPU cores, memory MiB, labels) — on a fake cluster only."""
+    lose_node: Callable[[str], Awaitable[None]] | None = None
+    """Takes a node away with what runs on it — on a fake cluster only."""
     gone: Callable[[], Awaitable[bool]] | None = None
     """Whether nothing of the case is left on the backend."""
     handles: list[SandboxHandle] = field(default_factory=list)
@@ -134,6 +136,7 @@ async def open_target(name: str, tmp_path: Path) -> AsyncIterator[Target]:
                     fake=fake,
                     gone=fake_gone,
                     add_node=lambda n, cpu, mb, labels: fake.add_node(n, cpu=cpu, memory=f"{mb}Mi", labels=labels),
+                    lose_node=fake.lose_node,
                 )
             finally:
                 await backend.close()
@@ -158,6 +161,7 @@ async def open_target(name: str, tmp_path: Path) -> AsyncIterator[Target]:
                     add_node=lambda n, cpu, mb, meta: agent.add_node(
                         n, cpu_mhz=int(cpu * 1000), memory_mb=mb, meta=meta
                     ),
+                    lose_node=agent.lose_node,
                 )
             finally:
                 await nomad_backend.close()
@@ -419,6 +423,24 @@ async def test_blocked_then_placed(cluster: Target, make: Callable[..., CaseRequ
     assert isinstance(holding, Interactive)
     await holding.exec_live("touch go", 30, cap_bytes=1024)
     assert (await holder).status == "succeeded"
+
+
+async def test_a_node_lost_mid_run_is_a_retryable_infrastructure_failure(
+    cluster: Target, make: Callable[..., CaseRequested]
+) -> None:
+    lose_node = cluster.lose_node
+    if lose_node is None:
+        pytest.skip("needs a cluster the test can take a node from (a fake)")
+    records: list[LiveRecord] = []
+    task = asyncio.create_task(run(cluster, make(WAIT_FOR_GO), records))
+    await eventually(lambda: "tick 1" in log_text(records), timeout_s=60, what="the harness to run")
+    await lose_node("node-a")
+    done = await task
+    failure = done.result.failure
+    assert failure is not None
+    assert (failure.code, failure.failure_class, failure.retryable) == ("unit_lost", "infra", True)
+    assert "tick 1" in (failure.log_tail or "")
+    assert cluster.gone is None or await cluster.gone()
 
 
 async def test_a_case_no_node_can_fit_fails_at_once(cluster: Target, make: Callable[..., CaseRequested]) -> None:

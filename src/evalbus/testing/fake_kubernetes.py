@@ -254,6 +254,18 @@ class FakeKubernetes:
         self.nodes[name] = FakeNode(name=name, cpu=cpu, memory=quantity(memory), gpus=gpus, labels=dict(labels or {}))
         self._notify()
 
+    async def lose_node(self, name: str) -> None:
+        """A node goes away: its pods' processes die and the pods are deleted (as the node lifecycle
+        controller evicts them), their Events kept."""
+        self.nodes.pop(name, None)
+        for key, pod in list(self.pods.items()):
+            if pod.node == name:
+                self._event(pod, "NodeNotReady", f"Node {name} status is now: NodeNotReady", kind="Warning",
+                            source="node-controller")  # fmt: skip
+                await self._stop(pod)
+                del self.pods[key]
+        self._notify()
+
     def add_secret(self, name: str, data: Mapping[str, str], namespace: str = "evalbus") -> None:
         """A Secret the kubelet resolves `secretKeyRef`s from."""
         self.secrets[(namespace, name)] = dict(data)
@@ -489,6 +501,8 @@ class FakeKubernetes:
         deadline = asyncio.get_running_loop().time() + limit
         try:
             while asyncio.get_running_loop().time() < deadline:
+                if request.transport is None or request.transport.is_closing():
+                    break  # the client stopped watching
                 now = matching()
                 lines = [
                     {"type": "MODIFIED" if name in sent else "ADDED", "object": body}

@@ -122,6 +122,8 @@ class FakeAlloc:
     task_dir: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
     oom: bool = False
+    lost: bool = False
+    description: str = ""
     task: asyncio.Task[None] | None = None
 
     @property
@@ -143,6 +145,7 @@ class FakeAlloc:
             "TaskGroup": self.job["TaskGroups"][0]["Name"],
             "DesiredStatus": "run",
             "ClientStatus": self.client_status,
+            "ClientDescription": self.description,
             "TaskStates": {
                 name: {
                     "State": self.state,
@@ -183,6 +186,20 @@ class FakeNomad:
         self.nodes[name] = FakeNomadNode(name=name, cpu_mhz=cpu_mhz, memory_mb=memory_mb, meta=dict(meta or {}))
         for job_id in list(self._waiting):
             self._place(job_id)
+
+    async def lose_node(self, name: str) -> None:
+        """A node goes down: its allocations are `lost` (their processes die, no `Terminated` event)."""
+        node = self.nodes.pop(name, None)
+        for alloc in list(self.allocs.values()):
+            if alloc.node is node and alloc.client_status in ("pending", "running"):
+                alloc.lost = True
+                alloc.state, alloc.client_status, alloc.failed = "dead", "lost", True
+                alloc.description = "alloc is lost since its node is down"
+                if alloc.process is not None and alloc.process.returncode is None:
+                    kill_tree(alloc.process.pid)
+                if alloc.task is not None:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await alloc.task
 
     def set_variable(self, path: str, **items: str) -> None:
         """A Nomad Variable templates can read."""
@@ -462,6 +479,8 @@ class FakeNomad:
         await asyncio.gather(pump(alloc.process.stdout, alloc.stdout), pump(alloc.process.stderr, alloc.stderr))
         code = await alloc.process.wait()
         watcher.cancel()
+        if alloc.lost:  # its node went down: nothing reports how the task ended
+            return
         exit_code = code if code >= 0 else 128 - code
         signal = -code if code < 0 else 0
         self._event(alloc, "Terminated", f"Exit Code: {exit_code}" + (", Signal: 9" if signal else ""),

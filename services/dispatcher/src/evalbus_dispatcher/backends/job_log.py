@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from evalbus_contracts import PromptSnapshot, RepoSnapshot, Snapshot
 from evalbus_contracts.runner import Done, ExecDone, Exited, SnapshotTaken, Started, StderrLine, StdoutLine, read_line
-from evalbus_dispatcher.backends.base import HarnessRun, OnOutput, OnSpawn, OutputStream
+from evalbus_dispatcher.backends.base import HarnessRun, OnOutput, OnSpawn, OutputStream, RunFailure
 from evalbus_grading import ExecResult
 
 log = logging.getLogger(__name__)
@@ -152,23 +152,29 @@ class JobLog:
                 stdout_truncated=out_cut,
                 stderr_truncated=err_cut,
             )
-        if end.exit_code is None:
-            why = end.reason or "the unit ended without a status"
-            return HarnessRun(
-                exit_code=None, stdout=stdout, stderr=stderr, spawn_error=f"the runner did not report: {why}"
+        # The runner did not get to say how the harness ended: the orchestrator's word decides.
+        why = end.reason or "the unit is gone without a status"
+        lost = None
+        if not end.oom and not end.timed_out:  # not the case's doing: the node, an eviction, a deletion
+            lost = RunFailure(
+                code="unit_lost",
+                failure_class="infra",
+                message=f"the job's unit ended before the runner reported how the harness ended: {why}",
+                retryable=True,
             )
-        note = f"\n[evalbus] the job ended: {end.reason}" if end.reason else ""
+        code = end.exit_code
         return HarnessRun(
-            exit_code=124 if end.timed_out else end.exit_code,
+            exit_code=124 if end.timed_out else code,
             stdout=stdout,
-            stderr=stderr + note,
+            stderr=stderr + f"\n[evalbus] the job ended: {why}",
             duration_s=waited_s,
             timed_out=end.timed_out,
-            signal=end.exit_code - 128 if end.exit_code > 128 else None,
+            signal=code - 128 if code is not None and code > 128 else None,
             oom=end.oom,
             pid=pid,
             stdout_truncated=out_cut,
             stderr_truncated=err_cut,
+            failure=lost,
         )
 
     def exec_result(self, command: str) -> ExecResult:
