@@ -412,6 +412,12 @@ async def test_blocked_then_placed(cluster: Target, make: Callable[..., CaseRequ
         )
 
     await eventually(blocked, timeout_s=30, what="a blocked mark with the scheduler's message")
+    waiter = cluster.handles[-1]
+    assert isinstance(waiter, Observed)
+    where = await waiter.placement()  # read from the orchestrator now, normalised
+    assert where.phase == "blocked"
+    assert where.reason is not None
+    assert re.search("Insufficient cpu|cpu exhausted", where.reason)
     add_node("node-b2", 1, 1024, {"zone": "b"})
     done = await waiting
     assert done.status == "succeeded", done.result.failure
