@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -73,6 +74,7 @@ print("EVALBUS_RESULT {\\"answer\\": \\"went\\"}")
 """
 
 
+@functools.cache
 def _docker_reason() -> str:
     if shutil.which("docker") is None:
         return "no docker client on this machine"
