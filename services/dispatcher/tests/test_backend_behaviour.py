@@ -458,6 +458,10 @@ async def test_a_case_no_node_can_fit_fails_at_once(cluster: Target, make: Calla
     assert failure.code == "unschedulable"
     assert not failure.retryable
     assert "cpu=512" in failure.message
+    elsewhere = await run(cluster, make("print(1)", compute=ComputeSpec(cpu=0.5, node_selector={"zone": "mars"})), [])
+    assert elsewhere.result.failure is not None
+    assert elsewhere.result.failure.code == "unschedulable"
+    assert "mars" in elsewhere.result.failure.message
 
 
 # ---------------------------------------------------------------- settings

@@ -213,6 +213,7 @@ class FakeNomad:
         app.router.add_get("/v1/job/{id}/evaluations", self._evaluations)
         app.router.add_delete("/v1/job/{id}", self._deregister)
         app.router.add_get("/v1/nodes", self._nodes)
+        app.router.add_get("/v1/node/{id}", self._node)
         app.router.add_get("/v1/client/fs/logs/{alloc}", self._logs)
         app.router.add_get("/v1/client/allocation/{alloc}/exec", self._exec)
         app.router.add_get("/v1/client/allocation/{alloc}/stats", self._stats)
@@ -418,6 +419,13 @@ class FakeNomad:
                 stub.pop("NodeResources")
                 stub.pop("ReservedResources")
         return web.json_response(stubs)
+
+    async def _node(self, request: web.Request) -> web.StreamResponse:
+        """`GET /v1/node/:id`: the node with its `Meta`."""
+        node = next((n for n in self.nodes.values() if n.id == request.match_info["id"]), None)
+        if node is None:
+            return web.Response(status=404, text="node not found")
+        return web.json_response({**node.stub(), "Meta": node.meta, "Attributes": {"kernel.name": "linux"}})
 
     # ------------------------------------------------------------ the client
 

@@ -330,6 +330,9 @@ class NomadBackend:
 
     async def node_resources(self) -> list[tuple[str, int, int]]:
         """(name, CPU MHz, memory MiB) each node offers (its resources less what is reserved)."""
+        return [(name, cpu, mem) for _, name, cpu, mem in await self._nodes()]
+
+    async def _nodes(self) -> list[tuple[str, str, int, int]]:
         nodes = await self.call(self._client.nodes.get_nodes, resources=True)
         out = []
         for node in nodes:
@@ -340,7 +343,7 @@ class NomadBackend:
             mem = int((res.get("Memory") or {}).get("MemoryMB") or 0) - int(
                 (reserved.get("Memory") or {}).get("MemoryMB") or 0
             )
-            out.append((node.get("Name") or node.get("ID") or "?", cpu, mem))
+            out.append((node.get("ID") or "", node.get("Name") or node.get("ID") or "?", cpu, mem))
         return out
 
     async def provision(self, job: CaseRequested) -> NomadSandbox:
@@ -363,17 +366,23 @@ class NomadBackend:
         self._used -= 1
 
     async def _refuse_unfit(self, compute: ComputeSpec) -> None:
+        cpu = max(1, int(compute.cpu * self._template.cpu_mhz_per_core))
         try:
-            nodes = await self.node_resources()
+            nodes = await self._nodes()
+            big = [(i, n, c, m) for i, n, c, m in nodes if c >= cpu and m >= compute.memory_mb]
+            for node_id, *_ in big:
+                if not compute.node_selector:
+                    return
+                meta = (await self.call(self._client.node.get_node, node_id)).get("Meta") or {}
+                if all(meta.get(k) == v for k, v in compute.node_selector.items()):
+                    return
         except (nomad.api.exceptions.BaseNomadException, requests.RequestException) as e:
             log.warning("cannot read Nomad's nodes; the fit check is skipped: %s", e)
             return
-        cpu = max(1, int(compute.cpu * self._template.cpu_mhz_per_core))
-        if any(c >= cpu and m >= compute.memory_mb for _, c, m in nodes):
-            return
-        have = ", ".join(f"{n}: {c} MHz, {m} MiB" for n, c, m in nodes) or "no nodes"
+        have = ", ".join(f"{n}: {c} MHz, {m} MiB" for _, n, c, m in nodes) or "no nodes"
+        where = f" with meta {compute.node_selector}" if compute.node_selector else ""
         raise BackendError(
-            f"no node can ever fit cpu={cpu} MHz, memory={compute.memory_mb} MiB ({have})",
+            f"no node{where} can ever fit cpu={cpu} MHz, memory={compute.memory_mb} MiB ({have})",
             code="unschedulable",
             failure_class="config",
             retryable=False,
