@@ -130,6 +130,15 @@ def raw_harness(agent_dir: Path, **kw: object) -> HarnessSpec:
     return HarnessSpec(kind="worker", id="raw", command=(sys.executable, str(agent_dir / "raw_worker.py")), **kw)  # type: ignore[arg-type]
 
 
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
 async def run(req: CaseRequested, backend: LocalBackend, live: LiveSink) -> CaseExecuted:
     return await execute_case(req, backend, live=live, on_release=lambda: None)
 
@@ -219,6 +228,7 @@ async def test_a_failing_worker_fails_its_case_only_and_is_replaced(
     # the faulty worker was replaced: the case after it ran on a live worker, not the dead one
     assert failure.placement is not None
     assert failure.placement.unit is not None
+    assert not alive(int(failure.placement.unit.removeprefix("pgid:")))  # gone before its case went on
     assert after.result.answer is not None
     assert after.result.answer.split(":")[0] != failure.placement.unit.removeprefix("pgid:")
     assert backend.workers.spawned >= 2

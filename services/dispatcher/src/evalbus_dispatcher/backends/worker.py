@@ -413,7 +413,12 @@ class WorkerPool:
             outcome = await self._serve(
                 worker, job, serving, workdir, case_env, timeout_s - (time.monotonic() - started)
             )
-            if isinstance(outcome, RunFailure):  # its last words are evidence: read them first
+            if isinstance(outcome, str):  # past its timeout: SIGTERM, a grace, SIGKILL, as a command's group
+                worker.dead = True
+                _signal_group(worker.pid, signal.SIGTERM)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(worker.exited.wait(), self._grace_s)
+            if isinstance(outcome, str | RunFailure):  # gone before the case goes on; its last words read
                 worker.kill()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(worker.drained.wait(), self._grace_s + 3.0)
@@ -426,7 +431,7 @@ class WorkerPool:
             worker.serving = None
         duration = time.monotonic() - started
         if isinstance(outcome, str):  # "timeout"
-            return self._ended(serving, worker, duration, exit_code=TIMEOUT_EXIT, timed_out=True)
+            return self._ended(serving, worker, duration)
         if isinstance(outcome, RunFailure):
             self._retire(worker)
             code = worker.returncode()
@@ -512,21 +517,19 @@ class WorkerPool:
             message=f"the worker exited with {_exit_code(code)} before it was ready for cases",
         )
 
-    def _ended(
-        self, serving: _Serving, worker: _Worker, duration: float, *, exit_code: int, timed_out: bool
-    ) -> HarnessRun:
-        worker.dead = True
-        _signal_group(worker.pid, signal.SIGTERM)
-        self._retire(worker, grace_s=self._grace_s)
+    def _ended(self, serving: _Serving, worker: _Worker, duration: float) -> HarnessRun:
+        """A case killed on its timeout (its worker already gone)."""
+        self._retire(worker)
+        code = worker.returncode()
         return HarnessRun(
-            exit_code=exit_code,
+            exit_code=TIMEOUT_EXIT,
             stdout=serving.out.text(),
             stderr=serving.err.text(),
             duration_s=duration,
-            timed_out=timed_out,
+            timed_out=True,
             stdout_truncated=serving.out.truncated,
             stderr_truncated=serving.err.truncated,
-            signal=signal.SIGTERM,
+            signal=-code if code is not None and code < 0 else None,
             oom=False,
             pid=worker.pid,
         )
