@@ -59,7 +59,8 @@ from evalbus_contracts import (
 from evalbus_contracts.runner import JOB_ENV
 from evalbus_dispatcher import LocalBackend, execute_case
 from evalbus_dispatcher.backends.base import Backend, Observed, SandboxHandle
-from evalbus_dispatcher.backends.kubernetes import JobTemplate, KubernetesBackend, runner_job
+from evalbus_dispatcher.backends.job_spec import runner_job
+from evalbus_dispatcher.backends.kubernetes import JobTemplate, KubernetesBackend
 from evalbus_dispatcher.backends.nomad import NomadTemplate, connect_nomad
 from evalbus_dispatcher.execute import MarkFn
 from evalbus_runtime.secrets import SecretStore

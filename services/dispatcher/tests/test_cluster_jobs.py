@@ -11,7 +11,8 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 
 from evalbus_contracts import CasePlan, CaseRequested, CaseSpec, CommandHarness, ComputeSpec, TestsPassGrader
-from evalbus_dispatcher.backends.kubernetes import JobTemplate, job_manifest, job_name, label_value, secret_ref
+from evalbus_dispatcher.backends.job_spec import label_value
+from evalbus_dispatcher.backends.kubernetes import JobTemplate, job_manifest, job_name, secret_ref
 from evalbus_dispatcher.backends.nomad import NomadTemplate, blocked_reason, nomad_job
 from evalbus_dispatcher.errors import BackendError
 

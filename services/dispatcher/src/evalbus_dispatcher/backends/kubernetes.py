@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import math
@@ -45,13 +44,13 @@ from kubernetes import config as k8s_config
 from kubernetes import watch
 from kubernetes.client.exceptions import ApiException
 
-from evalbus_contracts import CaseRequested, PromptSnapshot, Snapshot, batch_run_id
+from evalbus_contracts import CaseRequested, PromptSnapshot, Snapshot
 from evalbus_contracts.runner import (
     JOB_ENV,
     RunnerCheck,
     RunnerJob,
 )
-from evalbus_contracts.specs import CommandGrader, ComputeSpec, ScriptScoreGrader, TestsPassGrader
+from evalbus_contracts.specs import ComputeSpec
 from evalbus_dispatcher.backends.base import (
     Capacity,
     HarnessRun,
@@ -64,6 +63,7 @@ from evalbus_dispatcher.backends.base import (
     UnitUsage,
 )
 from evalbus_dispatcher.backends.job_log import JobLog, LineSplitter, UnitEnd
+from evalbus_dispatcher.backends.job_spec import label_value, run_of, runner_checks, runner_job
 from evalbus_dispatcher.backends.kubernetes_exec import ApiAccess, ExecError, ExecShell, connect, exec_url, run_once
 from evalbus_dispatcher.errors import BackendError
 from evalbus_grading import ExecResult
@@ -93,17 +93,6 @@ _EPOCH = datetime.min.replace(tzinfo=UTC)
 # ---------------------------------------------------------------- the Job (pure)
 
 
-def label_value(text: str) -> str:
-    """`text` as a valid label value (≤ 63 characters of `[A-Za-z0-9._-]`, alphanumeric at both
-    ends); a long or unsafe id keeps a readable head and a hash of the whole."""
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", text).strip("._-")
-    if safe == text and len(safe) <= 63:
-        return safe
-    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
-    head = safe[:50].rstrip("._-")
-    return f"{head}-{digest}" if head else digest
-
-
 def job_name(run_id: str, attempt: int) -> str:
     """A fresh DNS-1123 name for one execution of an attempt (`evb-<run>-a<n>-<random>`)."""
     slug = re.sub(r"[^a-z0-9]+", "-", run_id.lower()).strip("-")
@@ -123,44 +112,6 @@ def secret_ref(name: str, var: str) -> dict[str, str]:
             retryable=False,
         )
     return {"name": secret, "key": key}
-
-
-def run_of(job: CaseRequested) -> str:
-    """The request's run id (derived from its batch, case and trial when absent)."""
-    if job.run_id:
-        return job.run_id
-    if job.batch_id is None:
-        raise BackendError("a case request needs a run id or a batch id", code="no_run_id", failure_class="config",
-                           retryable=False)  # fmt: skip
-    return batch_run_id(job.batch_id, job.case.id, job.trial)
-
-
-def runner_checks(job: CaseRequested) -> tuple[RunnerCheck, ...]:
-    """The compute graders' commands, in grader order."""
-    return tuple(
-        RunnerCheck(command=g.command, timeout_s=g.timeout_s)
-        for g in job.case.graders
-        if isinstance(g, TestsPassGrader | CommandGrader | ScriptScoreGrader)
-    )
-
-
-def runner_job(job: CaseRequested, run_id: str) -> RunnerJob:
-    """What the runner is told: the harness, without secret values (only the variables' names)."""
-    harness = job.harness
-    return RunnerJob(
-        run_id=run_id,
-        case_id=job.case.id,
-        batch_id=job.batch_id,
-        trial=job.trial or 1,
-        attempt=job.attempt,
-        command=harness.command,
-        input=job.case.input,
-        env=dict(harness.env),
-        secret_vars=tuple(harness.secret_env),
-        files=dict(harness.files),
-        timeout_s=job.case.timeout_s or harness.timeout_s,
-        checks=runner_checks(job),
-    )
 
 
 def resources(compute: ComputeSpec) -> dict[str, dict[str, str]]:
@@ -921,13 +872,6 @@ class KubernetesSandbox:
     def _check_live(self) -> None:
         if self._released:
             raise BackendError("the sandbox was already released", code="released", retryable=False)
-
-
-async def _emit(on_output: OnOutput, stream: Any, text: str) -> None:
-    try:
-        await on_output(stream, text)
-    except Exception:  # a live-view problem must never stall the log
-        log.exception("output callback failed; the log keeps being read")
 
 
 def connect_cluster(

@@ -54,7 +54,7 @@ from evalbus_dispatcher.backends.base import (
     UnitUsage,
 )
 from evalbus_dispatcher.backends.job_log import JobLog, LineSplitter, UnitEnd
-from evalbus_dispatcher.backends.kubernetes import label_value, run_of, runner_job
+from evalbus_dispatcher.backends.job_spec import label_value, run_of, runner_job
 from evalbus_dispatcher.errors import BackendError
 from evalbus_grading import ExecResult
 
