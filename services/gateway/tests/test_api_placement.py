@@ -78,10 +78,21 @@ async def both(gateways: tuple[RunningGateway, RunningGateway], run_id: str) -> 
     return answers[0]
 
 
-async def put_status(nc: NatsClient, name: str, slots: int, runs: tuple[str, ...], *, age_s: float = 0.0) -> None:
-    at = utcnow() - timedelta(seconds=age_s)
+async def put_status(
+    nc: NatsClient, name: str, slots: int, runs: tuple[str, ...], *, skew_s: float = 0.0, interval_s: float = 2.0
+) -> None:
+    """Write a dispatcher's status as a replica whose clock is `skew_s` off would (its age is the
+    server's to measure, never the writer's clock)."""
+    at = utcnow() + timedelta(seconds=skew_s)
     status = DispatcherStatus(
-        dispatcher=name, node="n1", slots=slots, used=len(runs), runs=runs, started_at=at, updated_at=at
+        dispatcher=name,
+        node="n1",
+        slots=slots,
+        used=len(runs),
+        runs=runs,
+        started_at=at,
+        updated_at=at,
+        interval_s=interval_s,
     )
     kv = await nc.jetstream().key_value(DISPATCHERS.bucket)
     await kv.put(name, encode(status))
@@ -135,10 +146,21 @@ async def test_a_queued_run_says_how_many_are_ahead_and_why_it_waits(
     assert first.queue is not None
     assert first.queue.ahead == 0
 
-    # The dispatcher is gone (its status stale): blocked again, naming when it was last seen.
-    await put_status(nc, "d-1", 1, ("evb-other-x",), age_s=60.0)
+    # Its clock ten minutes behind or ahead changes nothing: freshness is the server's to measure.
+    for skew_s in (-600.0, 600.0):
+        await put_status(nc, "d-1", 1, ("evb-other-x",), skew_s=skew_s)
+        view = await both(gateways, run_id)
+        assert view.phase == "queued", (skew_s, view.reason)
+
+    # The dispatcher is gone (no status written for three of its intervals, by the server's
+    # clock): blocked again, naming when it was last seen.
+    await put_status(nc, "d-1", 1, ("evb-other-x",), interval_s=0.1)
+
+    async def blocked() -> bool:
+        return (await both(gateways, run_id)).phase == "blocked"
+
+    await eventually(blocked, timeout_s=10, what="the silent dispatcher taken for gone")
     view = await both(gateways, run_id)
-    assert view.phase == "blocked"
     assert view.reason is not None
     assert "the last one, d-1, was last seen at" in view.reason
 

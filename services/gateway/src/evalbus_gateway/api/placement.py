@@ -15,7 +15,7 @@ from evalbus_gateway.api.access import LiveRun, visible_live_run
 from evalbus_gateway.api.live import run_status
 from evalbus_gateway.api.table import Body, Call, Param, Route
 from evalbus_gateway.api.validation import path_id
-from evalbus_gateway.live.dispatchers import dispatcher_statuses, latest_request, requests_ahead
+from evalbus_gateway.live.dispatchers import dispatcher_board, latest_request, requests_ahead
 from evalbus_gateway.live.placement import Asked, MarkSeen, Requested, RunPlacement, SampleSeen, project
 from evalbus_gateway.live.reads import last_on, live_subjects, read_live
 
@@ -58,12 +58,12 @@ async def run_placement(call: Call) -> web.StreamResponse:
     """GET /v1/runs/{run_id}/placement."""
     run = await visible_live_run(call, path_id(call.request, "run_id"))
     js = call.state.js
-    status, marks, sample, requested, statuses = await asyncio.gather(
+    status, marks, sample, requested, (statuses, server_now) = await asyncio.gather(
         run_status(js, run),
         _marks(js, run.run_id),
         _sample(js, run.run_id),
         _requested(js, run),
-        dispatcher_statuses(js),
+        dispatcher_board(js),
     )
     view = project(
         run_id=run.run_id,
@@ -72,7 +72,7 @@ async def run_placement(call: Call) -> web.StreamResponse:
         sample=sample,
         requested=requested,
         statuses=statuses,
-        now=utcnow(),
+        now=server_now or utcnow(),  # the dispatchers' freshness is judged on the server's clock
     )
     return web.Response(body=encode(view), content_type="application/json")
 

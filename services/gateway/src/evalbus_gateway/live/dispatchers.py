@@ -8,7 +8,9 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
+import msgspec
 import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
@@ -25,27 +27,67 @@ PROBE_IDLE_S = 5.0
 
 
 async def dispatcher_statuses(js: JetStreamContext) -> list[DispatcherStatus]:
-    """Every status in the `dispatchers` bucket (stale ones included: the caller decides).
+    """Every status in the `dispatchers` bucket (stale ones included: the caller decides)."""
+    return (await dispatcher_board(js))[0]
+
+
+async def dispatcher_board(js: JetStreamContext) -> tuple[list[DispatcherStatus], datetime | None]:
+    """Every status in the `dispatchers` bucket, and the server's time now.
 
     The keys come from the bucket's stream info (its subjects), not a key watch, which would need
-    consumer grants on the bucket; each value is a direct get."""
+    consumer grants on the bucket; each value is read back with the time the server stored it,
+    which becomes its `updated_at`, and the stream info's own time is the `now` to judge it by. So
+    a status's age is the server's to measure: a dispatcher whose clock is minutes off is neither
+    taken for gone nor kept alive after it died, and every gateway replica answers the same."""
     prefix = f"$KV.{DISPATCHERS.bucket}."
+    stream = f"KV_{DISPATCHERS.bucket}"
     try:
-        kv = await js.key_value(DISPATCHERS.bucket)
-        info = await js.stream_info(f"KV_{DISPATCHERS.bucket}", subjects_filter=prefix + ">")
-    except nats.js.errors.NotFoundError:
-        return []
+        reply = await js._nc.request(  # the raw answer carries the server's time ("ts")
+            f"$JS.API.STREAM.INFO.{stream}", encode_json({"subjects_filter": prefix + ">"}), timeout=READ_TIMEOUT_S
+        )
+        info = msgspec.json.decode(reply.data)
+    except (nats.errors.Error, msgspec.DecodeError) as e:
+        log.warning("dispatchers bucket unreadable: %s", e)
+        return [], None
+    if not isinstance(info, dict) or "error" in info:
+        return [], None  # no bucket yet: no dispatcher ever started
+    server_now = _parse_time(info.get("ts"))
     out: list[DispatcherStatus] = []
-    for subject in sorted(info.state.subjects or {}):
+    for subject in sorted((info.get("state") or {}).get("subjects") or {}):
         key = subject.removeprefix(prefix)
         try:
-            entry = await kv.get(key)
-            out.append(decode(entry.value or b"", DispatcherStatus))
-        except nats.js.errors.KeyNotFoundError:
+            msg = await js.get_last_msg(stream, subject)
+        except nats.js.errors.NotFoundError:
+            continue
+        if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or not msg.data:
             continue  # deleted: that replica stopped
+        try:
+            status = decode(msg.data, DispatcherStatus)
         except DecodeError as e:
             log.warning("unreadable dispatcher status %s left out: %s", key, e)
-    return out
+            continue
+        if server_now is not None and msg.time is not None:
+            status = msgspec.structs.replace(status, updated_at=min(msg.time, server_now))
+        out.append(status)
+    return out, server_now
+
+
+def _parse_time(value: object) -> datetime | None:
+    """An RFC 3339 time as nats-server writes it (nanoseconds, `Z`), or None."""
+    if not isinstance(value, str):
+        return None
+    text = value.rstrip("Z")
+    if "." in text:
+        whole, frac = text.split(".", 1)
+        text = f"{whole}.{frac[:6]}"
+    try:
+        return datetime.fromisoformat(text).replace(tzinfo=UTC)
+    except ValueError:
+        return None
+
+
+def encode_json(value: object) -> bytes:
+    return msgspec.json.encode(value)
 
 
 @dataclass(frozen=True, slots=True)
