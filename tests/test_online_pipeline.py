@@ -455,8 +455,13 @@ async def test_a_rate_cap_and_a_delay_hold_for_a_suite(pipeline: Pipeline) -> No
     everything = [probe_trace, *traces]
 
     async def all_decided() -> bool:
-        _, stats = await api(p, "GET", f"/v1/online/stats?suite={suite_id}")
-        return sum(int(c["count"]) for c in stats["counts"] if c["fate"] in ("sampled", "skipped")) == len(everything)
+        # each of these traces decided for the suite (the suite's counts also hold other tests'
+        # traces, skipped not_target, so they cannot tell when these are all decided)
+        for trace_id in everything:
+            _, answer = await api(p, "GET", f"/v1/online/observations/{trace_id}")
+            if not any(f["suite_id"] == suite_id and f["fate"] in ("sampled", "skipped") for f in answer["fates"]):
+                return False
+        return True
 
     await eventually(all_decided, timeout_s=90, what="every trace decided", diagnostics=p.diagnostics)
     await p.quiescent(timeout_s=60)
