@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from datetime import timedelta
 
 import pytest
 from aiohttp import WSMsgType
@@ -15,6 +16,7 @@ from evalbus.testing.pipeline import eventually
 from evalbus_contracts import utcnow
 from evalbus_contracts.control import TermInput, TermResize
 from evalbus_contracts.streams import TERMINAL_TICKETS
+from evalbus_gateway.live import terminal as terminal_module
 from evalbus_gateway.live.terminal import TerminalTickets, client_frame, ticket_key
 from evalbus_runtime import connect, ensure_topology
 
@@ -66,3 +68,20 @@ def test_client_frames() -> None:
     assert client_frame(WSMsgType.TEXT, '{"type": "resize", "cols": 0, "rows": 40}') is None
     assert client_frame(WSMsgType.TEXT, "not json") is None
     assert client_frame(WSMsgType.BINARY, b"") is None
+
+
+async def test_a_replica_whose_clock_is_off_neither_refuses_a_fresh_ticket_nor_takes_a_stale_one(
+    nc: NatsClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ticket's age is measured on the NATS server's clock, not the spending replica's."""
+    js = nc.jetstream()
+    fresh, _ = await TerminalTickets(js, 30.0).mint("evb-b1-c1", "alice")
+    stale, _ = await TerminalTickets(js, 0.2).mint("evb-b1-c1", "alice")
+    minted = utcnow()
+    await eventually(lambda: (utcnow() - minted).total_seconds() > 0.5, timeout_s=5, what="the short ticket's age")
+    ahead = minted + timedelta(minutes=10)
+    behind = minted - timedelta(minutes=10)
+    monkeypatch.setattr(terminal_module, "utcnow", lambda: ahead)
+    assert await TerminalTickets(js, 30.0).spend(fresh, "evb-b1-c1") is not None
+    monkeypatch.setattr(terminal_module, "utcnow", lambda: behind)
+    assert await TerminalTickets(js, 0.2).spend(stale, "evb-b1-c1") is None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 
 import msgspec
 import nats.errors
@@ -19,6 +19,7 @@ from nats.js import api as jsapi
 from evalbus_contracts import CaseRequested, DecodeError, DispatcherStatus, decode, decode_event, subjects
 from evalbus_contracts.streams import CASES, DISPATCHER_CASES, DISPATCHERS
 from evalbus_gateway.live.reads import READ_TIMEOUT_S
+from evalbus_gateway.live.server_clock import parse_time, stream_info_raw
 
 log = logging.getLogger("evalbus.gateway.live")
 
@@ -41,19 +42,14 @@ async def dispatcher_board(js: JetStreamContext) -> tuple[list[DispatcherStatus]
     taken for gone nor kept alive after it died, and every gateway replica answers the same."""
     prefix = f"$KV.{DISPATCHERS.bucket}."
     stream = f"KV_{DISPATCHERS.bucket}"
-    try:
-        reply = await js._nc.request(  # the raw answer carries the server's time ("ts")
-            f"$JS.API.STREAM.INFO.{stream}", encode_json({"subjects_filter": prefix + ">"}), timeout=READ_TIMEOUT_S
-        )
-        info = msgspec.json.decode(reply.data)
-    except (nats.errors.Error, msgspec.DecodeError) as e:
-        log.warning("dispatchers bucket unreadable: %s", e)
-        return [], None
-    if not isinstance(info, dict) or "error" in info:
+    info = await stream_info_raw(js, stream, READ_TIMEOUT_S, subjects_filter=prefix + ">")
+    if info is None:
         return [], None  # no bucket yet: no dispatcher ever started
-    server_now = _parse_time(info.get("ts"))
+    server_now = parse_time(info.get("ts"))
     out: list[DispatcherStatus] = []
-    for subject in sorted((info.get("state") or {}).get("subjects") or {}):
+    state = info.get("state")
+    subjects = state.get("subjects") if isinstance(state, dict) else None
+    for subject in sorted(subjects or {}):
         key = subject.removeprefix(prefix)
         try:
             msg = await js.get_last_msg(stream, subject)
@@ -70,24 +66,6 @@ async def dispatcher_board(js: JetStreamContext) -> tuple[list[DispatcherStatus]
             status = msgspec.structs.replace(status, updated_at=min(msg.time, server_now))
         out.append(status)
     return out, server_now
-
-
-def _parse_time(value: object) -> datetime | None:
-    """An RFC 3339 time as nats-server writes it (nanoseconds, `Z`), or None."""
-    if not isinstance(value, str):
-        return None
-    text = value.rstrip("Z")
-    if "." in text:
-        whole, frac = text.split(".", 1)
-        text = f"{whole}.{frac[:6]}"
-    try:
-        return datetime.fromisoformat(text).replace(tzinfo=UTC)
-    except ValueError:
-        return None
-
-
-def encode_json(value: object) -> bytes:
-    return msgspec.json.encode(value)
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,6 +57,8 @@ from evalbus_contracts.control import (
     TermResize,
 )
 from evalbus_contracts.streams import TERMINAL_TICKETS
+from evalbus_gateway.live.reads import READ_TIMEOUT_S
+from evalbus_gateway.live.server_clock import server_now
 
 log = logging.getLogger("evalbus.gateway.terminal")
 
@@ -104,24 +106,34 @@ class TerminalTickets:
 
     async def spend(self, ticket: str, run_id: str) -> TicketEntry | None:
         """The ticket's entry if it is unspent, unexpired and for `run_id` — spent now, by this
-        call alone; None otherwise (a second spend, on any replica, finds nothing)."""
+        call alone; None otherwise (a second spend, on any replica, finds nothing). Its age is
+        the server's to measure (the entry's stored time against the server's time now) against
+        the lifetime it was minted with, so a gateway replica whose clock is off neither refuses a
+        fresh ticket nor takes a stale one."""
         if not ticket or len(ticket) > 256:
             return None
         kv = await self._js.key_value(TERMINAL_TICKETS.bucket)
         key = ticket_key(ticket)
+        stream = f"KV_{TERMINAL_TICKETS.bucket}"
         try:
-            found = await kv.get(key)
-        except nats.js.errors.KeyNotFoundError:
+            found = await self._js.get_last_msg(stream, f"$KV.{TERMINAL_TICKETS.bucket}.{key}")
+        except nats.js.errors.NotFoundError:
             return None
+        if (found.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or not found.data:
+            return None  # spent
         try:
-            await kv.delete(key, last=found.revision)
+            await kv.delete(key, last=found.seq)
         except nats.js.errors.APIError:
             return None  # spent meanwhile by another request
         try:
-            entry = decode(found.value or b"", TicketEntry)
+            entry = decode(found.data, TicketEntry)
         except msgspec.DecodeError:
             return None
-        if entry.run_id != run_id or utcnow() > entry.expires_at:
+        now = await server_now(self._js, stream, READ_TIMEOUT_S)
+        if entry.run_id != run_id or now is None or found.time is None:
+            return None
+        lifetime = (entry.expires_at - entry.created_at).total_seconds()  # the minter's TTL, clock-free
+        if (now - found.time).total_seconds() > lifetime:
             return None
         return entry
 
