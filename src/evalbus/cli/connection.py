@@ -21,6 +21,7 @@ from pathlib import Path
 
 from evalbus.cli.options import add_dir_option
 from evalbus.infra.endpoints import Endpoints, endpoints_path, load_endpoints
+from evalbus.infra.stack import nats_url_as
 
 GATEWAY_ENV = "EVALBUS_GATEWAY_URL"
 """Gateway URL when `--gateway` is not given."""
@@ -117,7 +118,7 @@ def nats_url(state_dir: Path, explicit: str | None) -> str:
         return explicit
     endpoints = _recorded(state_dir)
     if endpoints is not None and endpoints.nats:
-        return endpoints.nats
+        return nats_url_as(endpoints, "admin")  # with its password when the stack runs --secure
     env = os.environ.get("NATS_URL")
     if env:
         return env

@@ -30,11 +30,20 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--database", default="evalbus", help="database created on the PostgreSQL server (default: evalbus)"
     )
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for health (default: 60)")
+    parser.add_argument(
+        "--secure",
+        action="store_true",
+        help="NATS with the deployments' least-privilege users: each service its own, the CLI admin "
+        "(passwords in DIR/nats/users.json, mode 0600)",
+    )
     parser.set_defaults(run=run)
 
 
 def _print_endpoints(endpoints: Endpoints) -> None:
-    print(f"  nats       {endpoints.nats}")
+    print(
+        f"  nats       {endpoints.nats}"
+        + ("  (least-privilege users: " + endpoints.nats_users + ")" if endpoints.nats_users else "")
+    )
     if endpoints.gateway:
         print(f"  gateway    {endpoints.gateway}")
     if endpoints.database:
@@ -63,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         database_url=os.environ.get("DATABASE_URL") or None,
         database_name=args.database,
         timeout_s=args.timeout,
+        secure=args.secure,
     )
     try:
         result = bring_up(opts, say=lambda line: print(f"  {line}", flush=True))

@@ -61,6 +61,9 @@ class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
     """Kernel start time of `nats_pid`."""
     nats_log: str | None = None
     """nats-server log file."""
+    nats_users: str | None = None
+    """With `evalbus up --secure`: the file (mode 0600) holding each NATS user's password; the
+    services connect as their own least-privilege user, the CLI as `admin`."""
     database: str | None = None
     """PostgreSQL URL of the `evalbus` database."""
     postgres: PostgresKind | None = None

@@ -102,8 +102,14 @@ def start_nats(
     wait: bool = True,
     monitor_port: int | None = None,
     log_file: Path | None = None,
+    include: Path | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> NatsServer:
     """Start nats-server with JetStream storing under `data_dir`; wait until it accepts clients.
+
+    `include`: a configuration file included after the server's own (the accounts and users of
+    `evalbus up --secure`); `env`: extra environment for the server (the users' passwords it
+    reads as `$NATS_PASSWORD_<USER>`), never passed to anything else.
 
     `detach` puts it in a session of its own so it outlives the caller (as `evalbus up` needs).
     `max_payload` defaults to the `EVALBUS_NATS_MAX_PAYLOAD` setting (`max_payload_setting`).
@@ -124,6 +130,8 @@ def start_nats(
     if cluster_port is not None:
         route_list = ", ".join(f"nats://127.0.0.1:{r}" for r in routes or [])
         conf.append(f"cluster {{ name: {cluster_name}, listen: 127.0.0.1:{cluster_port}, routes: [{route_list}] }}")
+    if include is not None:  # nats-server resolves an include against the including file's folder
+        conf.append(f'include "{os.path.relpath(include, data_dir)}"')
     conf_file = data_dir / f"{name}.conf"
     conf_file.write_text("\n".join(conf) + "\n")
     args = [nats_server_binary(), "-c", str(conf_file), "-l", str(log_file)]
@@ -133,7 +141,7 @@ def start_nats(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=detach,
-        env={**os.environ},
+        env={**os.environ, **(env or {})},
     )
     server = NatsServer(
         port=port,

@@ -25,10 +25,13 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import asyncpg
+import msgspec
 from msgspec.structs import replace
 
+from evalbus.infra import nats_accounts
 from evalbus.infra.endpoints import (
     SERVICES,
     Endpoints,
@@ -104,6 +107,9 @@ class UpOptions:
     """Database created on that server when missing."""
     timeout_s: float = 60.0
     """How long to wait for everything to become healthy."""
+    secure: bool = False
+    """Run NATS with the deployments' least-privilege users (`evalbus.infra.nats_accounts`): each
+    service connects as its own user, the CLI as `admin`; passwords in `nats/users.json` (0600)."""
 
 
 @dataclass
@@ -241,8 +247,39 @@ def _check_compatible(previous: Endpoints, opts: UpOptions, external_url: str | 
         raise UpError("postgres", f"the stack runs with {previous.postgres} PostgreSQL; run `evalbus down` first")
     if external_url is not None and previous.database not in (None, external_url):
         raise UpError("postgres", "the stack runs with another database; run `evalbus down` first")
+    if _alive(previous.nats_process) and bool(previous.nats_users) != opts.secure:
+        now, wanted = ("with", "without") if previous.nats_users else ("without", "with")
+        raise UpError("nats", f"nats-server runs {now} --secure; run `evalbus down` first to start it {wanted}")
     if opts.nats_port and _alive(previous.nats_process) and previous.nats and url_port(previous.nats) != opts.nats_port:
         raise UpError("nats", f"nats-server runs on {previous.nats}; run `evalbus down` first to change the port")
+
+
+def ensure_nats_users(path: Path) -> dict[str, str]:
+    """Every NATS user's password (`evalbus.infra.nats_accounts.users()`), made once at random and
+    kept in `path` with mode 0600; a user added by a newer release gets one too."""
+    known: dict[str, str] = {}
+    if path.exists():
+        known = msgspec.json.decode(path.read_bytes(), type=dict[str, str])
+    wanted = {user: known.get(user) or secrets.token_urlsafe(24) for user in nats_accounts.users()}
+    if wanted != known:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(msgspec.json.encode(wanted))
+    os.chmod(path, 0o600)
+    return wanted
+
+
+def nats_url_as(endpoints: Endpoints, user: str) -> str:
+    """The NATS URL for `user` (a service's name, or `admin`): with its password when the stack
+    runs `--secure`, else the plain URL."""
+    assert endpoints.nats is not None
+    if not endpoints.nats_users:
+        return endpoints.nats
+    passwords = msgspec.json.decode(Path(endpoints.nats_users).read_bytes(), type=dict[str, str])
+    parts = urlsplit(endpoints.nats)
+    netloc = f"{quote(user, safe='')}:{quote(passwords[user], safe='')}@{parts.hostname}:{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def _up_nats(layout: _Layout, previous: Endpoints, opts: UpOptions, result: UpResult, say: Say) -> Endpoints:
@@ -254,8 +291,19 @@ def _up_nats(layout: _Layout, previous: Endpoints, opts: UpOptions, result: UpRe
     monitor = _pick_port(url_port(previous.nats_monitor) if previous.nats_monitor else None, {port})
     log = layout.log("nats")
     layout.logs.mkdir(parents=True, exist_ok=True)
+    users_file: Path | None = None
+    include: Path | None = None
+    server_env: dict[str, str] = {}
+    if opts.secure:
+        users_file = layout.nats_dir / "users.json"
+        passwords = ensure_nats_users(users_file)
+        include = layout.nats_dir / "accounts.conf"
+        include.write_text(nats_accounts.render(), encoding="utf-8")
+        server_env = {nats_accounts.password_variable(user): pw for user, pw in passwords.items()}
     try:
-        server = start_nats(layout.nats_dir, port, detach=True, monitor_port=monitor, log_file=log)
+        server = start_nats(
+            layout.nats_dir, port, detach=True, monitor_port=monitor, log_file=log, include=include, env=server_env
+        )
     except (OSError, TimeoutError) as e:
         raise UpError("nats", f"nats-server did not start: {e}", log) from e
     proc = identify(server.process.pid)
@@ -268,6 +316,7 @@ def _up_nats(layout: _Layout, previous: Endpoints, opts: UpOptions, result: UpRe
         nats_pid=proc.pid,
         nats_started=proc.started,
         nats_log=str(log),
+        nats_users=str(users_file) if users_file is not None else None,
     )
 
 
@@ -385,7 +434,7 @@ def _up_services(layout: _Layout, previous: Endpoints, current: Endpoints, resul
         env = service_env(
             name,
             os.environ,
-            nats=current.nats,
+            nats=nats_url_as(current, name),
             database=current.database,
             port=port,
             state_dir=layout.root,

@@ -1,0 +1,334 @@
+"""Least-privilege NATS users of evalbus, as data, and the `accounts.conf` they render to — for
+the deployments (`deploy/nats/accounts.conf`) and for the local stack (`evalbus up --secure`).
+
+    python deploy/nats/accounts.py            # rewrite deploy/nats/accounts.conf
+    python deploy/nats/accounts.py --check    # exit 1 when the committed file is stale
+
+Every service gets its own user in the `EVALBUS` account. What a user may publish and subscribe
+is derived from what the service's code does on the bus (`docs/deploy.md`, "NATS users"):
+
+* the subjects of the events it produces (`evalbus_contracts.subjects`, each event's `subject()`),
+  and `dlq.<service>` for its dead letters;
+* for each durable pull consumer it reads (`evalbus_contracts.streams`): create it
+  (`$JS.API.CONSUMER.DURABLE.CREATE.<stream>.<durable>`), pull from it
+  (`$JS.API.CONSUMER.MSG.NEXT...`), acknowledge (`$JS.ACK.<stream>.<durable>.>`), hear its
+  exhausted deliveries (`$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES...`) and read the exhausted
+  message back (`$JS.API.STREAM.MSG.GET.<stream>`) to dead-letter it;
+* for each stream it reads outside its consumers (projections kept by an ordered consumer, last
+  messages read by subject): ephemeral consumers, flow-control replies and message reads on that
+  stream only;
+* the topology every service creates idempotently at start (`Service.start` ->
+  `ensure_topology`): create, update and read the info of each stream and key-value bucket;
+* `_INBOX.>` for every reply (JetStream API answers, pulled messages, PubAcks).
+
+`tests/test_deploy.py` checks this table against `evalbus_contracts.streams` (every consumer is
+granted to the service that reads it, every stream and bucket is in the topology) and that the
+committed `accounts.conf` is what `render()` writes; `nats-server -t` parses the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ACCOUNT = "EVALBUS"
+"""The account every evalbus user belongs to (KEDA's scaler and the exporter name it)."""
+
+TOPOLOGY: tuple[str, ...] = (
+    "CASES",
+    "LIVE",
+    "OBSERVATIONS",
+    "DLQ",
+    "KV_dispatchers",
+    "KV_terminal-tickets",
+    "OBJ_datasets",
+    "OBJ_artifacts",
+)
+"""Streams (a key-value bucket is the stream `KV_<bucket>`, an object store bucket `OBJ_<bucket>`)
+that any service may create at start."""
+
+
+@dataclass(frozen=True)
+class Grant:
+    """One subject a user may use, and why."""
+
+    subject: str
+    why: str
+
+
+@dataclass(frozen=True)
+class ServiceUser:
+    """What one service does on the bus."""
+
+    name: str
+    consumers: tuple[tuple[str, str], ...]
+    """(stream, durable) of each durable pull consumer the service reads."""
+    publishes: tuple[Grant, ...]
+    """Event subjects it produces (its dead-letter subject is added)."""
+    reads: tuple[str, ...] = ()
+    """Streams it reads outside its consumers: ordered consumers and last-message reads."""
+    subscribes: tuple[Grant, ...] = ()
+    """Core NATS subjects it subscribes to (request/reply, terminals)."""
+    direct_gets: tuple[str, ...] = ()
+    """Streams it reads with direct gets (key-value `get`)."""
+    responds: bool = False
+    """Whether it answers requests (`allow_responses`: publish once to each request's reply)."""
+    finds_streams: bool = False
+    """Whether it subscribes without naming the stream (`$JS.API.STREAM.NAMES` lookup)."""
+    publish_extra: tuple[Grant, ...] = field(default=())
+    """Other subjects it publishes (key-value writes, terminal output)."""
+    own_streams: tuple[str, ...] = ()
+    """Streams only this service creates and reads (a key-value bucket of its own)."""
+
+
+SERVICES: tuple[ServiceUser, ...] = (
+    ServiceUser(
+        name="gateway",
+        consumers=(("CASES", "gateway-recorder"),),
+        publishes=(
+            Grant("batch.requested.>", "POST /v1/batches (BatchRequested)"),
+            Grant("batch.cancelled.>", "cancel and supersede (BatchCancelled)"),
+            Grant("batch.finalized.>", "finalisation (BatchFinalized)"),
+            Grant("case.executed.>", "re-judge replays a batch's executed cases (CaseExecuted)"),
+            Grant("case.collected.>", "re-judge replays a batch's collected cases (CaseCollected)"),
+            Grant("online.suite.>", "online suites applied and deleted (OnlineSuiteApplied/Deleted)"),
+            Grant("suite.baseline.>", "suite baselines set (SuiteBaselineSet)"),
+        ),
+        reads=("CASES", "LIVE", "KV_dispatchers", "KV_terminal-tickets", "OBJ_datasets"),
+        subscribes=(Grant("term.*.out", "terminal output from the dispatcher holding the run"),),
+        direct_gets=("KV_dispatchers", "KV_terminal-tickets"),
+        finds_streams=True,
+        publish_extra=(
+            Grant("ctl.*.*", "actions on a live sandbox, requests to the dispatcher (subjects.control_subject)"),
+            Grant("term.*.in", "terminal keystrokes to the dispatcher (subjects.terminal_subject)"),
+            Grant("$KV.terminal-tickets.>", "single-use terminal tickets (streams.TERMINAL_TICKETS)"),
+            Grant("$O.datasets.>", "uploaded datasets: chunks and meta (POST /v1/datasets, streams.DATASETS)"),
+            Grant("$JS.API.STREAM.PURGE.OBJ_datasets", "the chunks of a refused or replaced upload"),
+            Grant(
+                "$JS.API.CONSUMER.INFO.CASES.dispatcher-cases",
+                "a queued run's placement: requests the dispatchers' queue has not delivered yet",
+            ),
+        ),
+    ),
+    ServiceUser(
+        name="dispatcher",
+        consumers=(("CASES", "dispatcher-batches"), ("CASES", "dispatcher-cases")),
+        publishes=(
+            Grant("case.requested.>", "fan-out and retries (CaseRequested)"),
+            Grant("case.executed.>", "executed cases (CaseExecuted)"),
+            Grant("run.*.live.>", "live log, trace, infra marks and placement (LiveLog, LiveTrace, ...)"),
+        ),
+        reads=("CASES", "LIVE", "OBJ_datasets"),
+        subscribes=(
+            Grant("ctl.*.*", "actions on the live sandboxes it holds (subjects.control_filter)"),
+            Grant("term.*.in", "terminal keystrokes (subjects.terminal_subject)"),
+        ),
+        responds=True,
+        finds_streams=True,
+        publish_extra=(
+            Grant("$KV.dispatchers.>", "its presence in the dispatchers bucket (streams.DISPATCHERS)"),
+            Grant("term.*.out", "terminal output (subjects.terminal_subject)"),
+        ),
+    ),
+    ServiceUser(
+        name="collector",
+        consumers=(
+            ("CASES", "collector-cases"),
+            ("OBSERVATIONS", "collector-observations"),
+            ("OBSERVATIONS", "collector-spans"),
+            ("DLQ", "collector-dead-letters"),
+        ),
+        publishes=(
+            Grant("case.collected.>", "completed control-plane cases (CaseCollected)"),
+            Grant("case.observed.>", "sampled production traces (CaseObserved)"),
+            Grant("online.fate.>", "the fate of every observation (ObservationFate)"),
+            Grant("obs.spans.>", "OTLP span batches stored before the request is answered (ObservationSpans)"),
+            Grant("obs.received.>", "assembled traces (ObservationReceived)"),
+        ),
+        reads=("CASES",),
+        finds_streams=True,
+        direct_gets=("KV_ONLINE_RATES",),
+        publish_extra=(
+            Grant("$KV.ONLINE_RATES.>", "online suites' rate caps, counted across replicas (online/rates.py)"),
+        ),
+        own_streams=("KV_ONLINE_RATES",),
+    ),
+    ServiceUser(
+        name="judge",
+        consumers=(("CASES", "judge-cases"),),
+        publishes=(
+            Grant("case.judged.>", "judged cases (CaseJudged)"),
+            Grant("online.fate.>", "observations over their suite's daily budget (ObservationFate)"),
+        ),
+        direct_gets=("KV_ONLINE_SPEND", "KV_JUDGE_LIMITS"),
+        publish_extra=(
+            Grant("$KV.ONLINE_SPEND.>", "online suites' daily model-judge spend, counted across replicas (budget.py)"),
+            Grant("$KV.JUDGE_LIMITS.>", "model providers' adaptive concurrency, shared by the replicas (limits.py)"),
+        ),
+        own_streams=("KV_ONLINE_SPEND", "KV_JUDGE_LIMITS"),
+    ),
+    ServiceUser(
+        name="exporter",
+        consumers=(("CASES", "exporter-cases"),),
+        publishes=(Grant("case.exported.>", "exported cases (CaseExported)"),),
+    ),
+)
+
+
+def password_variable(user: str) -> str:
+    """The environment variable nats-server reads a user's password from."""
+    return "NATS_PASSWORD_" + user.upper().replace("-", "_")
+
+
+def publish_grants(user: ServiceUser) -> list[Grant]:
+    """Everything `user` may publish."""
+    grants: list[Grant] = []
+    for stream in TOPOLOGY:
+        for verb in ("CREATE", "UPDATE", "INFO"):
+            grants.append(Grant(f"$JS.API.STREAM.{verb}.{stream}", "topology created at start"))
+    for stream in user.own_streams:
+        for verb in ("CREATE", "UPDATE", "INFO"):
+            grants.append(Grant(f"$JS.API.STREAM.{verb}.{stream}", "a bucket of its own, created at start"))
+        grants.append(Grant(f"$JS.API.STREAM.MSG.GET.{stream}", "key-value reads"))
+    if user.finds_streams:
+        grants.append(Grant("$JS.API.STREAM.NAMES", "stream lookup by subject (js.subscribe without a stream)"))
+    get_streams: list[str] = []
+    for stream, durable in user.consumers:
+        why = f"consumer {durable}"
+        grants += [
+            Grant(f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}", why),
+            Grant(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}", why),
+            Grant(f"$JS.ACK.{stream}.{durable}.>", why + ": ack, nak, in_progress, term"),
+        ]
+        if stream not in get_streams:
+            get_streams.append(stream)
+    for stream in user.reads:
+        grants += [
+            Grant(f"$JS.API.CONSUMER.CREATE.{stream}", f"ordered consumers on {stream}"),
+            Grant(f"$JS.FC.{stream}.>", f"flow control of ordered consumers on {stream}"),
+        ]
+        if stream not in get_streams:
+            get_streams.append(stream)
+    for stream in get_streams:
+        grants.append(Grant(f"$JS.API.STREAM.MSG.GET.{stream}", "dead-lettering exhausted messages, last reads"))
+    for stream in user.direct_gets:
+        grants.append(Grant(f"$JS.API.DIRECT.GET.{stream}.>", "key-value reads"))
+    grants += list(user.publishes)
+    grants.append(Grant(f"dlq.{user.name}", "its dead letters (DeadLetter)"))
+    grants += list(user.publish_extra)
+    return grants
+
+
+def subscribe_grants(user: ServiceUser) -> list[Grant]:
+    """Everything `user` may subscribe to."""
+    grants = [Grant("_INBOX.>", "replies: JetStream API answers, pulled messages, PubAcks")]
+    for stream, durable in user.consumers:
+        grants.append(
+            Grant(f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}", f"exhausted {durable} deliveries")
+        )
+    grants += list(user.subscribes)
+    return grants
+
+
+def _quoted(subject: str) -> str:
+    return '"' + subject + '"'
+
+
+def _grant_lines(grants: list[Grant], indent: str) -> list[str]:
+    width = max(len(_quoted(g.subject)) for g in grants)
+    return [f"{indent}{_quoted(g.subject).ljust(width)}  # {g.why}" for g in grants]
+
+
+def render() -> str:
+    """The text of `accounts.conf`."""
+    lines = [
+        "# GENERATED by deploy/nats/accounts.py from the table of what each service does on the bus in",
+        "# src/evalbus/infra/nats_accounts.py; edit that table, then run `python deploy/nats/accounts.py`",
+        "# (tests/test_deploy_nats.py checks both).",
+        "#",
+        "# One account for evalbus with JetStream, one user per service (least privilege: each may",
+        "# publish only what it produces and subscribe only to what it consumes, plus its own",
+        "# JetStream API calls), an `admin` user for operators and the evalbus CLI, an `ingest` user",
+        "# for applications that send observations (the Python Recorder), and the system account.",
+        "# Passwords come from the environment (NATS_PASSWORD_<USER>), never from this file.",
+        "",
+    ]
+    for user in SERVICES:
+        lines.append(f"{user.name.upper()}_PERMISSIONS = {{")
+        lines.append("  publish: {")
+        lines.append("    allow: [")
+        lines += _grant_lines(publish_grants(user), "      ")
+        lines.append("    ]")
+        lines.append("  }")
+        lines.append("  subscribe: {")
+        lines.append("    allow: [")
+        lines += _grant_lines(subscribe_grants(user), "      ")
+        lines.append("    ]")
+        lines.append("  }")
+        if user.responds:
+            lines.append("  # publish once to the reply subject of each request received (ctl.<run>.<action>)")
+            lines.append("  allow_responses: true")
+        lines.append("}")
+        lines.append("")
+    lines += [
+        "INGEST_PERMISSIONS = {",
+        "  publish: {",
+        "    allow: [",
+        '      "obs.received.>"  # observations offered for online evaluation (evalbus.online.Recorder)',
+        "    ]",
+        "  }",
+        "  subscribe: {",
+        "    allow: [",
+        '      "_INBOX.>"        # PubAcks',
+        "    ]",
+        "  }",
+        "}",
+        "",
+        "accounts: {",
+        f"  {ACCOUNT}: {{",
+        "    jetstream: enabled",
+        "    users: [",
+    ]
+    for user in SERVICES:
+        lines.append(
+            f"      {{user: {user.name}, password: ${password_variable(user.name)}, "
+            f"permissions: ${user.name.upper()}_PERMISSIONS}}"
+        )
+    lines += [
+        f"      {{user: ingest, password: ${password_variable('ingest')}, permissions: $INGEST_PERMISSIONS}}",
+        "      # operators and the evalbus CLI (dlq, replay, status): everything in this account",
+        f"      {{user: admin, password: ${password_variable('admin')}}}",
+        "    ]",
+        "  }",
+        "  SYS: {",
+        "    users: [",
+        f"      {{user: sys, password: ${password_variable('sys')}}}",
+        "    ]",
+        "  }",
+        "}",
+        "system_account: SYS",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def users() -> list[str]:
+    """Every user `render()` defines."""
+    return [u.name for u in SERVICES] + ["ingest", "admin", "sys"]
+
+
+def main(target: Path, argv: list[str] | None = None) -> int:
+    """Write (or `--check`) `target` (`deploy/nats/accounts.conf`)."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when accounts.conf is stale")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        if not target.exists() or target.read_text(encoding="utf-8") != text:
+            sys.stderr.write(f"{target} is stale: run python deploy/nats/accounts.py\n")
+            return 1
+        return 0
+    target.write_text(text, encoding="utf-8")
+    return 0

@@ -1,0 +1,91 @@
+"""`evalbus up --secure`: the local stack on NATS with the deployments' least-privilege users
+(`evalbus.infra.nats_accounts`, the same table `deploy/nats/accounts.conf` is rendered from). Every
+service connects as its own user and the CLI as `admin`; the example suite runs through all five
+services that way; and a service's user is refused what it has no business doing — the judge
+publishing `case.exported`, the exporter reading `batch.requested`, anyone without a password."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import stat
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import nats
+import pytest
+from tests.test_cli_up import Stack, explain, stack  # noqa: F401 - the fixture
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "suite.yaml"
+
+
+async def refused(url: str, user: str, password: str, action: str) -> str:
+    """What the server answers `user` trying `action` (`publish:<subject>` or `subscribe:<subject>`)."""
+    errors: list[str] = []
+
+    async def on_error(e: Exception) -> None:
+        errors.append(str(e))
+
+    host = urlsplit(url)
+    nc = await nats.connect(
+        f"nats://{user}:{password}@{host.hostname}:{host.port}", error_cb=on_error, allow_reconnect=False
+    )
+    try:
+        kind, subject = action.split(":", 1)
+        if kind == "publish":
+            await nc.publish(subject, b"{}")
+        else:
+            await nc.subscribe(subject)
+        await nc.flush()
+        for _ in range(100):  # the violation comes back asynchronously, on the connection
+            if errors:
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        await nc.close()
+    return " | ".join(errors)
+
+
+def anonymous_answer(url: str) -> str:
+    """What the server says to a client that connects without a user (the wire protocol by hand)."""
+    host = urlsplit(url)
+    with socket.create_connection((host.hostname or "127.0.0.1", host.port or 4222), timeout=5) as sock:
+        reader = sock.makefile("rb")
+        info = reader.readline().decode()
+        assert '"auth_required":true' in info.replace(" ", ""), info
+        sock.sendall(b'CONNECT {"verbose":false}\r\nPING\r\n')
+        return reader.readline().decode()
+
+
+def test_the_local_stack_runs_on_least_privilege_users(stack: Stack) -> None:  # noqa: F811
+    done = stack.up("--secure")
+    assert done.returncode == 0, explain(done)
+    endpoints = stack.endpoints()
+    users_file = Path(endpoints["nats_users"])
+    assert stat.S_IMODE(users_file.stat().st_mode) == 0o600
+    passwords: dict[str, str] = json.loads(users_file.read_text())
+    assert {"gateway", "dispatcher", "collector", "judge", "exporter", "admin", "ingest"} <= set(passwords)
+    assert all(pw not in json.dumps(endpoints) for pw in passwords.values())  # never in endpoints.json
+
+    run = stack.run("run", str(EXAMPLE), "--json", timeout=300)
+    assert run.returncode in (0, 1), explain(run)  # the example fails some cases on purpose
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["status"] == "succeeded", result
+    assert result["summary"]["counts"]["exported"] == result["summary"]["counts"]["requested"] > 0
+
+    dlq = stack.run("dlq", "ls", "--json")  # the CLI reaches NATS as admin
+    assert dlq.returncode == 0, explain(dlq)
+
+    url = endpoints["nats"]
+    judge = asyncio.run(refused(url, "judge", passwords["judge"], "publish:case.exported.b1.c1"))
+    assert 'permissions violation for publish to "case.exported.b1.c1"' in judge.lower()
+    exporter = asyncio.run(refused(url, "exporter", passwords["exporter"], "subscribe:batch.requested.>"))
+    assert 'permissions violation for subscription to "batch.requested.>"' in exporter.lower()
+    assert "authorization violation" in anonymous_answer(url).lower()
+
+    plain = stack.up()
+    assert plain.returncode != 0
+    assert "runs with --secure" in plain.stderr
