@@ -133,3 +133,30 @@ def test_a_daemon_that_exits_on_its_own_is_reaped(tmp_path: Path) -> None:
     assert result["adopted"] is True
     assert result["zombie_seen"] is True  # exited, nobody had waited for it
     assert result["still_a_child"] is False
+
+
+def test_this_test_process_never_became_a_subreaper() -> None:
+    """Only the dispatcher's entry point adopts orphans: a dispatcher or backend built inside
+    another program (this test run builds several) must leave that program's orphans to init,
+    or every service the tests kill would leave its children as zombies here."""
+    from evalbus_dispatcher.backends import orphans
+
+    assert orphans.is_subreaper() is False
+
+
+def test_importing_the_entry_point_adopts_nothing_until_it_runs() -> None:
+    """The flag is set by `main()` (end to end in tests/test_pipeline_daemon_harness.py), not by an
+    import; and the kernel reports it once set."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from evalbus_dispatcher.backends import orphans; import evalbus_dispatcher.__main__ as m; "
+            "print(orphans.is_subreaper(), orphans.become_subreaper(), orphans.is_subreaper())",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert done.stdout.split() == ["False", "True", "True"]

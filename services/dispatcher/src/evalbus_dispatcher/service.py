@@ -350,7 +350,6 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         slots=settings.slots,
         root=None if settings.workdir_root is None else Path(settings.workdir_root),
         secrets=secrets,
-        adopt_orphans=True,
     )
     cluster: KubernetesBackend | NomadBackend | None = None
     if settings.backend == "kubernetes":

@@ -400,13 +400,17 @@ class LocalBackend:
         kill_grace_s: float = 2.0,
         drain_s: float = 2.0,
         output_cap_bytes: int = 16 * 1024 * 1024,
-        adopt_orphans: bool = False,
+        adopt_orphans: bool | None = None,
     ) -> None:
-        """`adopt_orphans`: make this process the child subreaper of its descendants, so the
-        daemons a harness forks are killed with its sandbox (`orphans`; the dispatcher service
-        turns it on — a process-wide setting, not for a library caller's process)."""
+        """`adopt_orphans`: kill with each sandbox the daemons its harness forked, which needs
+        this process to be the child subreaper of its descendants (`orphans`). True makes it one
+        (process-wide); None (the default) adopts when it already is one — the dispatcher's
+        entry point makes itself one, a program embedding the backend is left as it is."""
         source = os.environ if environ is None else environ
-        self._adopting = orphans.become_subreaper() if adopt_orphans else False
+        if adopt_orphans is None:
+            self._adopting = orphans.is_subreaper()
+        else:
+            self._adopting = orphans.become_subreaper() if adopt_orphans else False
         self._slots = slots
         self._root = root
         self._secrets = secrets if secrets is not None else SecretStore(source)

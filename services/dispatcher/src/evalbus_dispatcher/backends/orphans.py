@@ -31,6 +31,7 @@ from pathlib import Path
 log = logging.getLogger("evalbus.dispatcher.orphans")
 
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
 _MARKER = b"EVALBUS_INPUT_FILE="
 
 ZOMBIE_GRACE_S = 2.0
@@ -46,6 +47,16 @@ def become_subreaper() -> bool:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         return int(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def is_subreaper() -> bool:
+    """Whether this process is the child subreaper of its descendants."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        flag = ctypes.c_int(0)
+        return int(libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0)) == 0 and flag.value != 0
     except (OSError, AttributeError):
         return False
 
