@@ -20,6 +20,7 @@ from evalbus_contracts import (
     SuiteSpec,
     decode_event,
     encode,
+    expected_runs,
 )
 from evalbus_contracts.results import FailureClass, FailureStage
 from evalbus_dispatcher import cancelled_execution, fan_out, next_attempt, should_retry
@@ -80,6 +81,16 @@ def test_duplicate_case_ids_are_deduplicated_first_wins() -> None:
     reqs = fan_out(batch("c1", "c2", "c1", trials=2))
     assert [(r.case_id, r.trial) for r in reqs] == [("c1", 1), ("c1", 2), ("c2", 1), ("c2", 2)]
     assert reqs[0].case.input == "input 0 of c1"
+
+
+@pytest.mark.parametrize("trials", [0, 1, 2, 5])
+@pytest.mark.parametrize("case_ids", [("c1",), ("c1", "c2", "c1"), tuple(f"c{i % 7}" for i in range(30))])
+def test_the_fan_out_makes_exactly_the_runs_every_count_expects(case_ids: tuple[str, ...], trials: int) -> None:
+    """The dispatcher's fan-out and the gateway's counts (finalisation, views, re-judges) share
+    one rule, `evalbus_contracts.expected_runs`: if they drifted, batches would never finalize."""
+    req = batch(*case_ids, trials=trials)
+    assert len(fan_out(req)) == expected_runs(req.spec) == len(set(case_ids)) * max(1, trials)
+    assert len({r.run_id for r in fan_out(req)}) == expected_runs(req.spec)
 
 
 def test_fan_out_is_deterministic_in_run_ids() -> None:

@@ -30,7 +30,7 @@ from evalbus_contracts import (
     DecodeError,
     Event,
     decode,
-    suite_case_count,
+    expected_runs,
 )
 from evalbus_gateway.api.models import StreamEnd
 from evalbus_gateway.client import END_EVENT, SseEvent
@@ -99,7 +99,7 @@ class BatchProgress:
         """Fold one event of the batch."""
         self.events += 1
         if isinstance(event, BatchRequested):
-            self.total = suite_case_count(event.spec.suite) * max(1, event.spec.policy.trials)
+            self.total = expected_runs(event.spec)
             self.rejudge_of = event.rejudge_of
             for case in event.spec.suite.cases:
                 self.expected.setdefault(case.id, case.expected)

@@ -40,7 +40,7 @@ from evalbus.cli.upload import (
     needs_upload,
     offload_cases,
 )
-from evalbus_contracts import BatchSpec
+from evalbus_contracts import BatchSpec, expected_runs
 from evalbus_gateway.client import ApiRequestError, GatewayClient
 
 EXIT_INTERRUPTED = 130
@@ -90,7 +90,7 @@ async def submit_and_follow(
             error_line(message)
             return code
         batch_id = accepted.batch_id
-        total = len({c.id for c in spec.suite.cases}) * max(1, spec.policy.trials)
+        total = expected_runs(spec)
         if no_wait:
             if json_output:
                 print(json.dumps(json_line(batch_id, accepted.status, None)))

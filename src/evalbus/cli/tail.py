@@ -34,7 +34,7 @@ from evalbus_contracts import (
     CaseRequested,
     DecodeError,
     Event,
-    suite_case_count,
+    expected_runs,
 )
 from evalbus_gateway.client import END_EVENT, ApiRequestError, GatewayClient, SseEvent
 
@@ -58,7 +58,7 @@ def event_status(event: Event) -> str:
     """What the status column says about an event."""
     match event:
         case BatchRequested():
-            runs = suite_case_count(event.spec.suite) * max(1, event.spec.policy.trials)
+            runs = expected_runs(event.spec)
             text = f"{runs} runs by {event.submitted_by}"
             return text + (f", re-judging {event.rejudge_of}" if event.rejudge_of else "")
         case BatchCancelled():

@@ -86,8 +86,10 @@ from evalbus_contracts.specs import (
     TestsPassGrader,
     TextMetricGrader,
     TraceSpec,
+    expected_runs,
     needs_compute,
     suite_case_count,
+    trial_numbers,
 )
 from evalbus_contracts.streams import (
     BUCKETS,
@@ -248,6 +250,7 @@ __all__ = [
     "decode_token",
     "encode",
     "encode_token",
+    "expected_runs",
     "needs_compute",
     "new_event_id",
     "sampled_by_trace_id",
@@ -255,5 +258,6 @@ __all__ = [
     "subjects",
     "suite_case_count",
     "to_builtins",
+    "trial_numbers",
     "utcnow",
 ]

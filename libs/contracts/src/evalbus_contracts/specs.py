@@ -180,6 +180,19 @@ def suite_case_count(suite: SuiteSpec) -> int:
     return len({case.id for case in suite.cases})
 
 
+def trial_numbers(trials: int) -> list[int | None]:
+    """The trial of each run of one case: 1..k when a batch asks for k > 1 trials, else one
+    un-numbered run. The dispatcher fans out by it and every count of a batch's runs follows it."""
+    return list(range(1, trials + 1)) if trials > 1 else [None]
+
+
+def expected_runs(spec: BatchSpec) -> int:
+    """How many runs a batch has: its distinct case ids (inline or in its dataset) × its trials.
+    The one rule the dispatcher's fan-out and the gateway's finalisation, views and re-judges
+    share: if they disagreed, batches would never finalize."""
+    return suite_case_count(spec.suite) * len(trial_numbers(spec.policy.trials))
+
+
 # ---------------------------------------------------------------- harness and trace
 
 

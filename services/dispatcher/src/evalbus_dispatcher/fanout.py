@@ -13,7 +13,7 @@ import msgspec
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
-from evalbus_contracts import BatchRequested, CasePlan, CaseRequested, CaseSpec, ObjectRef, batch_run_id
+from evalbus_contracts import BatchRequested, CasePlan, CaseRequested, CaseSpec, ObjectRef, batch_run_id, trial_numbers
 from evalbus_runtime import Poison, Retry
 from evalbus_runtime.objects import ObjectDigestError, ObjectMissingError, ObjectReadError, iter_lines, iter_object
 
@@ -53,7 +53,7 @@ def fan_out(req: BatchRequested, cases: Iterable[CaseSpec] | None = None) -> lis
     if not req.batch_id:
         raise ValueError("a batch request needs a batch id")
     plan = plan_of(req)
-    trials: list[int | None] = list(range(1, plan.trials + 1)) if plan.trials > 1 else [None]
+    trials = trial_numbers(plan.trials)
     return [
         CaseRequested(
             batch_id=req.batch_id,

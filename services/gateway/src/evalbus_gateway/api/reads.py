@@ -21,8 +21,8 @@ from evalbus_contracts import (
     DecodeError,
     StageCounts,
     decode_event,
+    expected_runs,
     subjects,
-    suite_case_count,
 )
 from evalbus_contracts.streams import CASES
 from evalbus_gateway.store import get_batch
@@ -89,16 +89,15 @@ async def finalized_on_stream(js: JetStreamContext, batch_id: str) -> tuple[int,
 def queued_view(event: BatchRequested) -> BatchView:
     """The view of a batch the stream holds but the recorder has not written yet."""
     batch_id = event.batch_id or ""
-    trials = max(1, event.spec.policy.trials)
     return BatchView(
         batch_id=batch_id,
         status="queued",
         counts=StageCounts(),
-        total_runs=suite_case_count(event.spec.suite) * trials,
+        total_runs=expected_runs(event.spec),
         suite_id=event.spec.suite.id,
         submitted_by=event.submitted_by,
         supersede_key=event.spec.supersede_key,
-        trials=trials,
+        trials=max(1, event.spec.policy.trials),
         created_at=event.ts,
     )
 

@@ -38,7 +38,7 @@ from evalbus_contracts import (
     batch_run_id,
     decode_event,
     encode,
-    suite_case_count,
+    expected_runs,
 )
 from evalbus_contracts.events import EventBase
 from evalbus_gateway.api.errors import ApiError, not_found
@@ -127,7 +127,7 @@ def rejudge_events(
             executed.setdefault(run_id, event)
         else:
             collected.setdefault(run_id, event)
-    expected = suite_case_count(spec.suite) * max(1, spec.policy.trials)
+    expected = expected_runs(spec)
     if len(executed) != expected:
         raise RejudgeError(f"the event store holds {len(executed)} executed runs of the {expected} the batch has")
     cases = [

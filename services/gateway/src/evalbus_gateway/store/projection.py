@@ -32,8 +32,8 @@ from evalbus_contracts import (
     Event,
     ObservationFate,
     encode,
-    suite_case_count,
 )
+from evalbus_contracts import expected_runs as contract_expected_runs
 from evalbus_grading.verdict import decide, objective_metrics_of
 
 if TYPE_CHECKING:
@@ -65,8 +65,8 @@ def run_id_of(event: Event) -> str | None:
 
 
 def expected_runs(event: BatchRequested) -> int:
-    """Runs a batch will have: distinct case ids (inline or in its dataset) × trials."""
-    return suite_case_count(event.spec.suite) * max(1, event.spec.policy.trials)
+    """Runs a batch will have (`evalbus_contracts.expected_runs`, the rule the fan-out shares)."""
+    return contract_expected_runs(event.spec)
 
 
 @dataclass(slots=True)
