@@ -270,8 +270,14 @@ class HarnessSpec(_Spec, frozen=True, kw_only=True):
     worker serving it, which is then replaced."""
     trace: TraceSpec = msgspec.field(default_factory=TraceSpec)
     """Trace platform and collection."""
-    compute: ComputeSpec = msgspec.field(default_factory=ComputeSpec)
-    """Image, resources and node selection on a cluster backend."""
+    compute: ComputeSpec | None = None
+    """Image, resources and node selection on a cluster backend (none: the backend's defaults).
+    Optional rather than an empty struct so a spec that sets none encodes without it: a gateway of
+    an older release, which does not know the key, still takes what a newer CLI sends."""
+
+    def resources(self) -> ComputeSpec:
+        """`compute`, or the defaults when none is set."""
+        return self.compute if self.compute is not None else ComputeSpec()
 
 
 CommandHarness = HarnessSpec

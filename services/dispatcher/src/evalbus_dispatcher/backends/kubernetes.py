@@ -163,18 +163,18 @@ def job_manifest(job: CaseRequested, run_id: str, name: str, template: JobTempla
         "containers": [
             {
                 "name": CONTAINER,
-                "image": harness.compute.image or template.image,
+                "image": harness.resources().image or template.image,
                 "command": list(template.runner_command),
                 "args": ["--workdir", "work"],
                 "workingDir": WORKING_DIR,
                 "env": env,
-                "resources": resources(harness.compute),
+                "resources": resources(harness.resources()),
                 "volumeMounts": [{"name": "workdir", "mountPath": WORKING_DIR}],
             }
         ],
     }
-    if harness.compute.node_selector:
-        pod_spec["nodeSelector"] = dict(harness.compute.node_selector)
+    if harness.resources().node_selector:
+        pod_spec["nodeSelector"] = dict(harness.resources().node_selector)
     if template.service_account:
         pod_spec["serviceAccountName"] = template.service_account
     return {
@@ -452,7 +452,7 @@ class KubernetesBackend:
         name = job_name(run_id, job.attempt)
         manifest = job_manifest(job, run_id, name, self._template)  # refuses bad secret names first
         if self._check_fit:
-            await self._refuse_unfit(job.harness.compute)
+            await self._refuse_unfit(job.harness.resources())
         await self._sweep(run_id)
         try:
             await self.call(

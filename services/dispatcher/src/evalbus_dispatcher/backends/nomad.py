@@ -110,7 +110,7 @@ def variable_template(var: str, secret: str, prefix: str) -> dict[str, Any]:
 
 def nomad_job(job: CaseRequested, run_id: str, job_id: str, template: NomadTemplate) -> dict[str, Any]:
     """The JSON job (`{"Job": …}` as `POST /v1/jobs` takes it) for one execution of a case attempt."""
-    harness, compute = job.harness, job.harness.compute
+    harness, compute = job.harness, job.harness.resources()
     spec = runner_job(job, run_id)
     argv = [*template.runner_command, "--workdir", "${NOMAD_TASK_DIR}/work"]
     if template.driver == "docker":
@@ -352,7 +352,7 @@ class NomadBackend:
         run_id = run_of(job)
         job_id = job_id_for(run_id, job.attempt)
         body = nomad_job(job, run_id, job_id, self._template)  # refuses bad secret names first
-        await self._refuse_unfit(job.harness.compute)
+        await self._refuse_unfit(job.harness.resources())
         try:
             await self.call(self._client.jobs.register_job, body)
         except nomad.api.exceptions.BaseNomadException as e:
