@@ -107,6 +107,22 @@ def _from_http(exc: web.HTTPException, request: web.Request) -> web.Response:
     return error_response(status, code, exc.text or exc.reason or "error", None, headers=headers)
 
 
+def database_unavailable(e: BaseException) -> bool:
+    """Whether PostgreSQL is away rather than the request wrong: shutting down or restarting,
+    sessions terminated, out of connections, or a database not accepting connections (which
+    PostgreSQL reports as a plain "object not in prerequisite state" at connect). A pooled
+    connection whose session was terminated under it fails with asyncpg's `InternalClientError`
+    ("cannot switch to state …"): the same outage, seen from the client."""
+    if isinstance(
+        e,
+        asyncpg.exceptions.OperatorInterventionError
+        | asyncpg.exceptions.InsufficientResourcesError
+        | asyncpg.exceptions.InternalClientError,
+    ):
+        return True
+    return isinstance(e, asyncpg.exceptions.ObjectNotInPrerequisiteStateError) and "accepting connections" in str(e)
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error as the JSON error body; never a stack trace."""
@@ -128,6 +144,11 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except (StoreError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError, nats.errors.Error, OSError) as e:
         log.warning("%s %s: %s: %s", request.method, request.path, type(e).__name__, e)
         return error_response(503, "unavailable", "a backing service is unavailable; retry", None)
-    except Exception:
+    except Exception as e:
+        if database_unavailable(e):
+            log.warning("%s %s: the database is unavailable: %s: %s", request.method, request.path, type(e).__name__, e)
+            return error_response(
+                503, "unavailable", "the event store is unavailable; retry", None, headers={"Retry-After": "1"}
+            )
         log.exception("unexpected error in %s %s", request.method, request.path)
         return error_response(500, "internal", "internal error", None)
