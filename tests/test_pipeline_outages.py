@@ -1,9 +1,15 @@
-"""PostgreSQL unavailable for 10 s in the middle of a batch (the pipeline's database refuses every
+"""Outages of what the pipeline depends on, mid-batch.
+
+PostgreSQL unavailable for 10 s in the middle of a batch (the pipeline's database refuses every
 connection and its sessions are terminated; the server is shared, so it is not stopped). The bus
 carries on — cases keep executing, being judged and exported — while the gateway's recorder holds
 what it cannot store; once the database is back the recorder catches up, the batch finalizes
 `succeeded`, every run exactly once per stage in the stream and the store, sealed. Meanwhile the
-API answers a clear 503, never a 500."""
+API answers a clear 503, never a 500.
+
+A sink's endpoint that is down (nothing listens on its port): every case is still judged and
+exported exactly once, each failed export visible with its error, in the run and in the batch's
+export summary, while the batch's other sink gets every case."""
 
 from __future__ import annotations
 
@@ -12,11 +18,22 @@ from collections import Counter
 from collections.abc import AsyncIterator
 
 import aiohttp
+import msgspec
 import pytest
 from tests.test_online_outages import database_refusing
 
+from evalbus.infra.ports import free_port
 from evalbus.testing.pipeline import Pipeline, agent_harness, eventually, open_pipeline, task
-from evalbus_contracts import AnswerMatchGrader, BatchSpec, CaseSpec, ExactJudge, SuiteSpec, batch_run_id
+from evalbus_contracts import (
+    AnswerMatchGrader,
+    BatchSpec,
+    CaseSpec,
+    ExactJudge,
+    JsonlSink,
+    PlatformSink,
+    SuiteSpec,
+    batch_run_id,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -92,3 +109,28 @@ async def test_a_database_outage_mid_batch_loses_and_doubles_nothing(pipeline: P
     verified = await p.verify(batch)
     assert verified.ok, verified
     assert verified.ok_count == N_CASES
+
+
+async def test_a_sink_endpoint_that_is_down_fails_visibly_and_loses_nothing(pipeline: Pipeline) -> None:
+    p = pipeline
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    spec = msgspec.structs.replace(
+        suite(),
+        sinks=(JsonlSink(path="outage-{batch}.jsonl"), PlatformSink(platform="otel", endpoint=dead)),
+    )
+    small = msgspec.structs.replace(spec, suite=msgspec.structs.replace(spec.suite, cases=spec.suite.cases[:6]))
+    batch = await p.submit(small)
+    view = await p.finalized(batch, timeout_s=180)
+    assert view.status == "succeeded", view
+    assert view.export is not None
+    assert (view.export.status, view.export.exported, view.export.failed) == ("partial", 0, 6), view.export
+    runs = await p.gw.all_cases(batch)
+    assert len(runs) == 6
+    for run in runs:
+        assert run.exported_status == "partial", run
+        by_sink = {o.sink: o for o in run.export_outcomes}
+        assert sorted(o.status for o in by_sink.values()) == ["failed", "ok"], by_sink
+        failed = next(o for o in by_sink.values() if o.status == "failed")
+        assert failed.error, failed  # the reason a user reads
+    counts = Counter(k for k in (await p.store_counts(batch)).elements() if k[1] == "case.exported")
+    assert sorted(counts.values()) == [1] * 6
