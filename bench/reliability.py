@@ -5,7 +5,9 @@ It runs the crash module (`tests/test_pipeline_crash.py`: each of the dispatcher
 and gateway SIGKILLed mid-message and, by a deterministic fault point, after its output's PubAck
 and before its ack; the dispatcher also after its fan-out), which writes its figures to a JSON
 report when `EVALBUS_RELIABILITY_REPORT` names one; nats-server SIGKILLed mid-batch and restarted
-(`tests/test_pipeline_nats_restart.py`, same report); the online collector's crash tests
+(`tests/test_pipeline_nats_restart.py`, same report); PostgreSQL refusing connections for 10 s
+mid-batch (`tests/test_pipeline_outages.py`, its stall from the database's return to every
+consumer idle); the online collector's crash tests
 (`tests/test_online_pipeline.py`, spans and sampling stages); and the poison flood
 (`bench/poison.py`: 1,000 malformed messages on every consumed subject while a batch runs, every
 one dead-lettered by every consumer of its subject, the makespan within 1.10 x a clean run's),
@@ -38,6 +40,7 @@ from bench._report import report  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 ONLINE_CRASH = "tests/test_online_pipeline.py::test_collector_killed_mid_stream_loses_and_doubles_nothing"
 NATS_RESTART = "tests/test_pipeline_nats_restart.py"
+DATABASE_OUTAGE = "tests/test_pipeline_outages.py::test_a_database_outage_mid_batch_loses_and_doubles_nothing"
 
 
 def run_pytest(target: str, env: dict[str, str]) -> tuple[int, float, str]:
@@ -111,7 +114,11 @@ def main() -> int:
         nats_path = Path(tmp) / "nats.json"
         nats_code, nats_s, nats_tail = run_pytest(NATS_RESTART, {**env, "EVALBUS_RELIABILITY_REPORT": str(nats_path)})
         nats_rows: list[dict[str, Any]] = json.loads(nats_path.read_text()) if nats_path.exists() else []
+        db_path = Path(tmp) / "database.json"
+        db_code, db_s, db_tail = run_pytest(DATABASE_OUTAGE, {**env, "EVALBUS_RELIABILITY_REPORT": str(db_path)})
+        db_rows: list[dict[str, Any]] = json.loads(db_path.read_text()) if db_path.exists() else []
     rows += nats_rows or [{"test": "SIGKILL nats-server (single node)", "error": nats_tail or f"exit {nats_code}"}]
+    rows += db_rows or [{"test": "PostgreSQL unavailable mid-batch", "error": db_tail or f"exit {db_code}"}]
     online_code, online_s, online_tail = run_pytest(ONLINE_CRASH, dict(os.environ))
     rows.append(
         {
@@ -138,7 +145,7 @@ def main() -> int:
         "benchmark": "reliability",
         "rows": rows,
         "max_stall_s": max(stalls) if stalls else None,
-        "seconds": {"crash_module": crash_s, "nats_restart": nats_s, "online_crash": online_s},
+        "seconds": {"crash_module": crash_s, "nats_restart": nats_s, "database_outage": db_s, "online_crash": online_s},
         "goals": goals,
         "ok": all(g.passed for g in goals),
     }

@@ -14,6 +14,9 @@ export summary, while the batch's other sink gets every case."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 
@@ -95,20 +98,46 @@ async def test_a_database_outage_mid_batch_loses_and_doubles_nothing(pipeline: P
     assert 503 in statuses, statuses  # the database really was away for the API
     assert exported_on_bus, "the pipeline carried on without the database"
 
+    restored_at = time.monotonic()
     view = await p.finalized(batch, timeout_s=180)
     await p.quiescent(timeout_s=120)
-    assert view.status == "succeeded", view
+    caught_up_s = time.monotonic() - restored_at
     runs = {batch_run_id(batch, c.id) for c in suite().suite.cases}
     want: Counter[tuple[str | None, str]] = Counter({(r, s): 1 for r in runs for s in STAGES})
     kinds = set(STAGES)
     store = Counter({k: n for k, n in (await p.store_counts(batch)).items() if k[1] in kinds})
-    assert store == want, f"event store per (run, type): {store - want} extra, {want - store} missing"
     stream = Counter({k: n for k, n in (await p.stream_counts(batch)).items() if k[1] in kinds})
+    report_row(
+        lost=sum((want - store).values()),
+        duplicated=sum((store - want).values()) + sum((stream - want).values()),
+        stall_s=caught_up_s,
+        passed=view.status == "succeeded" and store == want and stream == want,
+    )
+    assert view.status == "succeeded", view
+    assert store == want, f"event store per (run, type): {store - want} extra, {want - store} missing"
     assert stream == want, f"CASES per (run, type): {stream - want} extra, {want - stream} missing"
     assert await p.rejections(batch) == []
     verified = await p.verify(batch)
     assert verified.ok, verified
     assert verified.ok_count == N_CASES
+
+
+def report_row(*, lost: int, duplicated: int, stall_s: float, passed: bool) -> None:
+    """The scenario's row for `bench/reliability.py` (stall: database back → every consumer idle)."""
+    target = os.environ.get("EVALBUS_RELIABILITY_REPORT")
+    if not target:
+        return
+    row = {
+        "test": f"PostgreSQL refusing connections {OUTAGE_S:g} s mid-batch",
+        "load": f"{N_CASES} cases",
+        "faults": 1,
+        "lost": lost,
+        "duplicated": duplicated,
+        "max_stall_s": round(stall_s, 2),
+        "passed": passed,
+    }
+    with open(target, "w") as f:
+        json.dump([row], f)
 
 
 async def test_a_sink_endpoint_that_is_down_fails_visibly_and_loses_nothing(pipeline: Pipeline) -> None:
