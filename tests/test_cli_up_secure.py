@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import stat
+import subprocess
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import nats
 import pytest
 from tests.test_cli_up import Stack, explain, stack  # noqa: F401 - the fixture
+
+from evalbus.infra import nats_accounts
+from evalbus.infra.nats import nats_server_binary
+from evalbus.infra.stack import new_nats_password
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -89,3 +95,27 @@ def test_the_local_stack_runs_on_least_privilege_users(stack: Stack) -> None:  #
     plain = stack.up()
     assert plain.returncode != 0
     assert "runs with --secure" in plain.stderr
+
+
+@pytest.mark.unit
+def test_generated_passwords_always_reach_nats_server_intact(tmp_path: Path) -> None:
+    """nats-server parses a `$VARIABLE`'s value as configuration: a password that starts with `-`
+    or looks like a number stops it from starting (an `up --secure` failed that way in CI, once
+    in a while, with URL-safe random passwords). Generated ones are a letter and hex."""
+    (tmp_path / "accounts.conf").write_text(nats_accounts.render())
+    conf = tmp_path / "server.conf"
+    conf.write_text('listen: 127.0.0.1:-1\ninclude "accounts.conf"\n')
+
+    def check(password: str) -> int:
+        env = {**os.environ, **{nats_accounts.password_variable(u): password for u in nats_accounts.users()}}
+        return subprocess.run(
+            [nats_server_binary(), "-c", str(conf), "-t"], check=False, env=env, capture_output=True
+        ).returncode
+
+    assert check("-looks-like-a-flag") != 0  # the failure this guards against
+    assert check("12") != 0
+    for _ in range(20):
+        password = new_nats_password()
+        assert password[0].isalpha()
+        assert password.isalnum()
+    assert check(new_nats_password()) == 0

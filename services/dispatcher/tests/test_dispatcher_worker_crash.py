@@ -40,10 +40,14 @@ from evalbus import harness
 
 @harness
 def solve(case, ctx):
-    number, _, gate = case.input.partition(" wait:")
-    if gate:  # hold the case until the test opens the gate (the agent's own wait, not the test's)
-        Path(gate + ".started").write_text(str(os.getpid()))
-        while not Path(gate).exists():
+    number, _, rest = case.input.partition(" ")
+    kind, _, path = rest.partition(":")
+    if kind == "wait":  # hold the case until the test opens the gate (the agent's own wait, not the test's)
+        Path(path + ".started").write_text(str(os.getpid()))
+        while not Path(path).exists():
+            time.sleep(0.05)
+    if kind == "after":  # not before the held case is held: the kill must find it on its worker
+        while not Path(path).exists():
             time.sleep(0.05)
     ctx.message("user", case.input)
     return "answer " + number
@@ -71,8 +75,11 @@ async def test_dispatcher_killed_mid_batch_with_warm_workers_loses_and_doubles_n
     agent = tmp_path / "gated_agent.py"
     agent.write_text(textwrap.dedent(AGENT))
     gate = tmp_path / "gate"
+    # c01 waits at the gate; c04, whose output the fault point kills the dispatcher after, runs only
+    # once c01 is held (with two slots, c04 could otherwise finish before c01's worker started)
+    extra = {"c01": f" wait:{gate}", "c04": f" after:{gate}.started"}
     cases = tuple(
-        CaseSpec(id=case_id, input=f"{i}" + (f" wait:{gate}" if case_id == "c01" else ""), expected=f"answer {i}")
+        CaseSpec(id=case_id, input=f"{i}" + extra.get(case_id, ""), expected=f"answer {i}")
         for i, case_id in enumerate(CASE_IDS, start=1)
     )
     spec = BatchSpec(

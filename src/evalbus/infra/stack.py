@@ -260,7 +260,7 @@ def ensure_nats_users(path: Path) -> dict[str, str]:
     known: dict[str, str] = {}
     if path.exists():
         known = msgspec.json.decode(path.read_bytes(), type=dict[str, str])
-    wanted = {user: known.get(user) or secrets.token_urlsafe(24) for user in nats_accounts.users()}
+    wanted = {user: _kept(known.get(user)) or new_nats_password() for user in nats_accounts.users()}
     if wanted != known:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -268,6 +268,19 @@ def ensure_nats_users(path: Path) -> dict[str, str]:
             f.write(msgspec.json.encode(wanted))
     os.chmod(path, 0o600)
     return wanted
+
+
+def new_nats_password() -> str:
+    """A random password nats-server reads back intact from `$NATS_PASSWORD_<USER>`: it parses a
+    variable's value as configuration, so a value that looks like a number (`12e4…`, `-3…`) or has
+    punctuation may come back as something else, or not parse at all, and the server does not
+    start. A letter, then hex, is always a plain string (and needs no quoting in a URL)."""
+    return "p" + secrets.token_hex(24)
+
+
+def _kept(password: str | None) -> str | None:
+    """A recorded password, when it is of the safe form (older files may hold others)."""
+    return password if password and password[0].isalpha() and password.isalnum() else None
 
 
 def nats_url_as(endpoints: Endpoints, user: str) -> str:
