@@ -200,3 +200,13 @@ def test_stop_kills_what_a_dead_leader_left_but_never_a_reused_pid(tmp_path: Pat
     assert is_alive(foreign)
     stop([foreign], timeout_s=5)
     assert not is_alive(foreign)
+
+
+@pytest.mark.unit
+def test_free_port_never_hands_out_the_same_port_twice_in_a_row() -> None:
+    """Ports are taken only when their server binds them; two stacks starting together must not
+    both be given one (the kernel may offer the same port to consecutive `bind(0)` calls)."""
+    from evalbus.infra.ports import free_port
+
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)

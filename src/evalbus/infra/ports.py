@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 import socket
+import threading
+from collections import deque
+
+_HANDED_OUT: deque[int] = deque(maxlen=4096)
+_LOCK = threading.Lock()
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port on 127.0.0.1 that was free a moment ago, and not handed out by this process
+    recently: the kernel may offer the same port to two `bind(0)` calls in a row, and a port is
+    only taken once its server binds it, so two stacks started together (the crash tests start
+    four) could otherwise both be given it."""
+    with _LOCK:
+        for _ in range(100):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = int(sock.getsockname()[1])
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.append(port)
+                return port
+        raise RuntimeError("no free loopback port that was not handed out already")
 
 
 def wait_port(port: int, timeout_s: float = 20.0, host: str = "127.0.0.1") -> None:
