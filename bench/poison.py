@@ -43,6 +43,7 @@ from nats.js.api import StreamInfo
 
 from evalbus_contracts import CommandHarness, ExactJudge
 from evalbus_contracts.streams import CONSUMERS
+from evalbus_contracts.subjects import subject_matches
 from evalbus_runtime import Publisher, connect
 
 AGENT = """\
@@ -66,16 +67,6 @@ SUBJECT_KINDS = (
 """Every kind of subject on the CASES stream a service consumes."""
 
 
-def _matches(pattern: str, subject: str) -> bool:
-    want, have = pattern.split("."), subject.split(".")
-    for i, token in enumerate(want):
-        if token == ">":
-            return len(have) > i
-        if i >= len(have) or (token != "*" and token != have[i]):
-            return False
-    return len(want) == len(have)
-
-
 def poison_subject(kind: str, token: str, i: int) -> str:
     return f"{kind}.{token}{i}" if kind.startswith("batch.") else f"{kind}.{token}.p{i}"
 
@@ -86,7 +77,7 @@ def consumers_of(subject: str) -> list[str]:
         {
             c.durable.split("-", 1)[0]
             for c in CONSUMERS
-            if c.stream == "CASES" and any(_matches(f, subject) for f in c.filter_subjects)
+            if c.stream == "CASES" and any(subject_matches(f, subject) for f in c.filter_subjects)
         }
     )
 

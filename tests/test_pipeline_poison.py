@@ -31,6 +31,7 @@ from evalbus_contracts import (
 )
 from evalbus_contracts.events import CaseJudged
 from evalbus_contracts.streams import CONSUMERS
+from evalbus_contracts.subjects import subject_matches
 
 pytestmark = pytest.mark.e2e
 
@@ -46,17 +47,6 @@ CASES_SUBJECT_KINDS = (
     "case.observed",
 )
 """Every kind of subject on the CASES stream."""
-
-
-def subject_matches(pattern: str, subject: str) -> bool:
-    """NATS subject matching: `*` is one token, `>` the rest (one token or more)."""
-    want, have = pattern.split("."), subject.split(".")
-    for i, token in enumerate(want):
-        if token == ">":
-            return len(have) > i
-        if i >= len(have) or (token != "*" and token != have[i]):
-            return False
-    return len(want) == len(have)
 
 
 def consumers_of(subject: str) -> set[str]:

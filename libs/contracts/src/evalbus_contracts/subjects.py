@@ -91,3 +91,14 @@ def terminal_subject(session: str, direction: str) -> str:
     """`term.<session>.in` (keystrokes and resizes, gateway → dispatcher) or `term.<session>.out`
     (output and the end, dispatcher → gateway) of one interactive terminal session."""
     return f"term.{encode_token(session)}.{direction}"
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: `*` is one token, `>` the rest (one token or more)."""
+    want, have = pattern.split("."), subject.split(".")
+    for i, part in enumerate(want):
+        if part == ">":
+            return len(have) > i
+        if i >= len(have) or (part != "*" and part != have[i]):
+            return False
+    return len(want) == len(have)
