@@ -202,6 +202,55 @@ def batch_subjects(batch_id: str) -> tuple[str, ...]:
     return (f"batch.*.{token}", f"case.*.{token}.*")
 
 
+Counts: TypeAlias = Counter[tuple[str | None, str]]
+"""`(run id, event type)` → copies (run id None for batch events)."""
+
+STAGE_TYPES = ("case.requested", "case.executed", "case.judged", "case.exported")
+"""The event types every run of a batch has exactly once."""
+
+
+def once_each(
+    runs: typing.Iterable[str], *, stages: tuple[str, ...] = STAGE_TYPES, batch_events: bool = True
+) -> Counts:
+    """What a batch's counts must be: every run once per stage (and `batch.requested` and
+    `batch.finalized` once when `batch_events`)."""
+    want: Counts = Counter({(r, s): 1 for r in runs for s in stages})
+    if batch_events:
+        want[(None, "batch.requested")] = 1
+        want[(None, "batch.finalized")] = 1
+    return want
+
+
+def count_problems(where: str, got: Counts, want: Counts, *, show: int = 8) -> str | None:
+    """None when `got` has exactly the keys of `want` with their counts (other event types and runs
+    outside `want` ignored); else one short paragraph: copies missing and extra per event type, and
+    the first few offending keys — readable where a diff of thousands of lines is not."""
+    kinds = {k for _, k in want}
+    runs = {r for r, _ in want}
+    seen: Counts = Counter({(r if r in runs else None, k): n for (r, k), n in got.items() if k in kinds})
+    missing, extra = want - seen, seen - want
+    if not missing and not extra:
+        return None
+
+    def per_kind(c: Counts) -> str:
+        totals: Counter[str] = Counter(dict.fromkeys(sorted(kinds), 0))
+        for (_, k), n in c.items():
+            totals[k] += n
+        return ", ".join(f"{k} {n}" for k, n in totals.items() if n)
+
+    def first(c: Counts) -> str:
+        keys = sorted(c, key=lambda key: (str(key[0]), key[1]))
+        more = f" (+{len(keys) - show} more)" if len(keys) > show else ""
+        return ", ".join(f"{r}:{k}×{c[(r, k)]}" for r, k in keys[:show]) + more
+
+    parts = [f"{where}: {sum(seen.values())} copies of {len(want)} expected"]
+    if missing:
+        parts.append(f"missing [{per_kind(missing)}]: {first(missing)}")
+    if extra:
+        parts.append(f"extra [{per_kind(extra)}]: {first(extra)}")
+    return "; ".join(parts)
+
+
 # ---------------------------------------------------------------- the pipeline
 
 
@@ -321,6 +370,15 @@ class Pipeline:
             "SELECT run_id, type, count(*) AS n FROM events WHERE batch_id = $1 GROUP BY run_id, type", batch_id
         )
         return Counter({(r["run_id"], str(r["type"])): int(r["n"]) for r in rows})
+
+    async def once_per_stage_problems(self, batch_id: str, want: Counts) -> list[str]:
+        """How the batch's CASES messages and event-store rows differ from `want` (see
+        `once_each`); empty when both hold exactly that."""
+        problems = [
+            count_problems("event store", await self.store_counts(batch_id), want),
+            count_problems("CASES stream", await self.stream_counts(batch_id), want),
+        ]
+        return [p for p in problems if p]
 
     async def rejections(self, batch_id: str) -> list[tuple[str | None, str, str]]:
         """`(run id, type, reason)` of every message of the batch the recorder refused."""
