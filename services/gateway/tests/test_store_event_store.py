@@ -627,3 +627,26 @@ async def test_a_batch_is_complete_only_when_every_run_is_sealed_not_merely_expo
     event = await finalize_batch(pool, s.batch_id)
     assert event.summary.counts.executed == 2
     assert event.summary.verdicts.verdicted == 2
+
+
+async def test_a_run_whose_case_requested_comes_last_seals_with_it_not_without(
+    pool: asyncpg.Pool[asyncpg.Record],
+) -> None:
+    """The recorder replica holding c1's `case.requested` died with it uncommitted; the run's other
+    stages were recorded by other replicas. Sealing then refused the requested event as `sealed`
+    when it came back after `ack_wait`, and the store lost it (seen in the scale-out test: 4,001 of
+    4,002 rows). The seal waits for it, and chains it."""
+    s = Stream(cases=("c1",))
+    requested, executed, judged, exported = s.lifecycle("c1")
+    early = await record(pool, [s.msg(s.requested()), executed, judged, exported])
+    assert early.sealed_runs == ()
+    assert early.complete_batches == ()
+    late = await record(pool, [requested])
+    assert late.inserted == 1
+    assert late.rejected_sealed == 0
+    assert len(late.sealed_runs) == 1
+    assert late.complete_batches == (s.batch_id,)
+    verified = await verify_run(pool, late.sealed_runs[0])
+    assert verified.status == "ok"
+    rows = await table(pool, "SELECT event_count FROM seals")
+    assert rows == [{"event_count": 4}]

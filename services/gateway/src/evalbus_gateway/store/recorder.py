@@ -15,8 +15,9 @@
    PostgreSQL cannot store (a body jsonb cannot hold, a NUL in an id: hand-made payloads only) is
    refused with reason `invalid` instead of wedging the consumer.
 5. The inserted events are folded into `batches` and `runs` (`store.projection`).
-6. Each run this call touched whose trajectory is now complete (executed, collected when its trace
-   was deferred, judged, exported — in whatever order they were recorded) is sealed: the SHA-256
+6. Each run this call touched whose trajectory is now complete (requested — except a re-judge
+   replay, which starts at its `case.executed` —, executed, collected when its trace was deferred,
+   judged, exported — in whatever order they were recorded) is sealed: the SHA-256
    hash chain over the run's stored bodies in `stream_seq` order, h_0 = 64 zeros,
    h_i = sha256_hex(h_{i-1} || sha256_hex(canonical body_i)), canonical = the stored jsonb body
    re-encoded with sorted keys and no whitespace. `store.chain` defines it to the byte; `evalbus
@@ -189,12 +190,13 @@ UNION ALL SELECT NULL, dedupe_key FROM events WHERE dedupe_key = ANY($2::text[])
 """Sequences already handled (redeliveries) and dedupe keys already taken."""
 
 _RUNS = """
-SELECT r.run_id, s.run_id IS NOT NULL AS sealed, e.types, e.deferred, e.seqs, e.digests, e.batch_ids
+SELECT r.run_id, s.run_id IS NOT NULL AS sealed, e.types, e.deferred, e.replayed, e.seqs, e.digests, e.batch_ids
 FROM unnest($1::text[]) AS r(run_id)
 LEFT JOIN seals AS s ON s.run_id = r.run_id
 LEFT JOIN LATERAL (
     SELECT array_agg(type ORDER BY stream_seq) AS types,
            bool_or(type = 'case.executed' AND body->>'trace_complete' = 'false') AS deferred,
+           bool_or(type = 'case.executed' AND body->>'rejudge_of' IS NOT NULL) AS replayed,
            array_agg(stream_seq ORDER BY stream_seq) AS seqs,
            array_agg(body_sha256 ORDER BY stream_seq) AS digests,
            array_agg(batch_id ORDER BY stream_seq) AS batch_ids
@@ -306,20 +308,32 @@ class _Link(NamedTuple):
 @dataclass
 class _RunState:
     """What is stored of one run: the stages (a run is settled, and sealed, once all are in) and
-    the links of its events."""
+    the links of its events.
+
+    Every stage counts, `case.requested` included: replicas record out of stream order, so a run's
+    later stages may all be stored while the replica holding its `case.requested` died with it
+    uncommitted; sealing then would refuse that event as `sealed` when it comes back after
+    `ack_wait`, and the store would lose it. A re-judge replay has no `case.requested` (it starts
+    at the `case.executed` copied from the original run)."""
 
     types: set[str] = field(default_factory=set)
     deferred: bool = False
+    replayed: bool = False
     links: list[_Link] = field(default_factory=list)
 
     def add(self, event: Event) -> None:
         self.types.add(event.type)
-        if isinstance(event, CaseExecuted) and not event.trace_complete:
-            self.deferred = True
+        if isinstance(event, CaseExecuted):
+            self.deferred = self.deferred or not event.trace_complete
+            self.replayed = self.replayed or event.rejudge_of is not None
 
     @property
     def settled(self) -> bool:
-        need = {"case.executed", "case.judged", "case.exported"} | ({"case.collected"} if self.deferred else set())
+        need = {"case.executed", "case.judged", "case.exported"}
+        if not self.replayed:
+            need.add("case.requested")
+        if self.deferred:
+            need.add("case.collected")
         return need <= self.types
 
 
@@ -348,6 +362,7 @@ async def _run_states(conn: Connection, run_ids: Sequence[str]) -> tuple[set[str
         if r["seqs"] is not None:
             state.types.update(r["types"])
             state.deferred = bool(r["deferred"])
+            state.replayed = bool(r["replayed"])
             state.links.extend(_Link(*link) for link in zip(r["seqs"], r["digests"], r["batch_ids"], strict=True))
     return sealed, states
 
