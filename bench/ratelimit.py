@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import sys
 import time
 from pathlib import Path
@@ -51,6 +52,7 @@ from evalbus_runtime.secrets import SecretStore
 
 REPLICAS = 2
 """Judge replicas sharing the provider."""
+MODES = ("adaptive", "fixed-4", "fixed-32")
 
 
 def context(n: int) -> JudgeContext:
@@ -97,18 +99,44 @@ async def run_mode(mode: str, infra: Infra, server: ChatCompletionsServer, args:
             judged += 1
             measured += isinstance(score, Measured)
 
+    async def sample(started: float) -> None:
+        """The adaptive limit (as the first replica sees it) and the calls in flight, once a second."""
+        for s in range(math.ceil(args.seconds)):
+            await asyncio.sleep(max(0.0, started + s + 1 - time.monotonic()))
+            limiters = [limiter for pl in limits for limiter in pl._limiters.values()]
+            limit_each_s.append(limiters[0].state.limit if limiters else float("nan"))
+            in_flight_each_s.append(sum(limiter.in_flight for limiter in limiters))
+
+    limit_each_s: list[float] = []
+    in_flight_each_s: list[int] = []
     started = time.monotonic()
+    sampler = asyncio.create_task(sample(started)) if limits else None
     await asyncio.gather(*(worker(c, i * args.workers + w) for i, c in enumerate(clients) for w in range(args.workers)))
     elapsed = time.monotonic() - started
+    if sampler is not None:
+        sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler
     answers = server.answered[first_answer:]
     window = [(at, status) for at, status in answers if at <= started + args.seconds]
     accepted = sum(1 for _, s in window if s == 200)
     refused = sum(1 for _, s in window if s == 429)
     steady_s = args.seconds - args.warmup_s
     steady = sum(1 for at, s in window if s == 200 and at > started + args.warmup_s)
+    seconds = math.ceil(args.seconds)
+    accepted_each_s = [0] * seconds
+    refused_each_s = [0] * seconds
+    for at, status in window:
+        second = min(seconds - 1, int(at - started))
+        if status == 200:
+            accepted_each_s[second] += 1
+        elif status == 429:
+            refused_each_s[second] += 1
     seen = [limiter.state.limit for pl in limits for limiter in pl._limiters.values()]
     for client in clients:
         await client.close()
+    for provider_limits in limits:
+        await provider_limits.close()
     for nc in connections:
         await nc.close()
     return {
@@ -125,6 +153,10 @@ async def run_mode(mode: str, infra: Infra, server: ChatCompletionsServer, args:
         "measured": measured,
         "drain_s": elapsed - args.seconds,
         "limit_seen": seen,
+        "accepted_each_s": accepted_each_s,
+        "refused_each_s": refused_each_s,
+        "limit_each_s": limit_each_s,
+        "in_flight_each_s": in_flight_each_s,
     }
 
 
@@ -136,12 +168,14 @@ async def main(args: argparse.Namespace) -> int:
     modes: list[dict[str, Any]] = []
     try:
         async with Infra(database=False, prefix="evalbus-bench-ratelimit-") as infra:
-            for mode in ("adaptive", "fixed-4", "fixed-32"):
+            for mode in args.modes:
                 modes.append(await run_mode(mode, infra, server, args))
                 await asyncio.sleep(1.0)  # let the provider's window roll over between modes
     finally:
         await server.stop()
-    adaptive = modes[0]
+    adaptive = next(
+        (m for m in modes if m["mode"] == "adaptive"), {"steady_ratio_to_limit": None, "refused_fraction": None}
+    )
     goals = [
         goal(
             "adaptive accepted rate / limit",
@@ -200,8 +234,20 @@ async def main(args: argparse.Namespace) -> int:
                 ", ".join(f"{x:.1f}" for x in m["limit_seen"]) or "-",
             )
         )
-    report(out, rows, goal_notes(goals), args.json)
+    report(out, rows, [*goal_notes(goals), *per_second(modes)], args.json)
     return verdict("ratelimit", goals, check=args.check)
+
+
+def per_second(modes: list[dict[str, Any]]) -> list[str]:
+    """Each mode's second-by-second figures, to see where a shortfall is (the start, the steady state)."""
+    lines = ["per second (200s / 429s; adaptive: the limit as the first replica saw it, calls in flight):"]
+    for m in modes:
+        lines.append(f"  {m['mode']:>8} 200: {' '.join(f'{n:2d}' for n in m['accepted_each_s'])}")
+        lines.append(f"  {'':>8} 429: {' '.join(f'{n:2d}' for n in m['refused_each_s'])}")
+        if m["limit_each_s"]:
+            lines.append(f"  {'':>8} lim: {' '.join(f'{x:2.0f}' for x in m['limit_each_s'])}")
+            lines.append(f"  {'':>8} fly: {' '.join(f'{n:2d}' for n in m['in_flight_each_s'])}")
+    return lines
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -212,6 +258,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-s", type=float, default=10.0, help="seconds at the start left out of the steady rate")
     parser.add_argument("--workers", type=int, default=64, help="cases in flight per replica")
     parser.add_argument("--ceiling", type=int, default=32, help="JUDGE_GLOBAL_LIMIT: the adaptive limit's ceiling")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=MODES,
+        default=list(MODES),
+        help="modes to run (the goals need adaptive; the fixed ones are its comparison)",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     add_check_flag(parser)
     return parser.parse_args(argv)
