@@ -5,24 +5,25 @@ Workload: the local chat-completions server (`evalbus.testing.chat_server`) enfo
 (1 s: a model's thinking time), with the `x-ratelimit-*` headers providers send. Two judge
 "replicas" (each its own NATS connection, chat client and provider limits, in this process) judge
 cases with the real model judge (`ChatModelJudge`), `--workers` (64) cases in flight each — as the
-judge service's stage would — for `--seconds` (40) per mode, three modes one after the other in the
-same run:
+judge service's stage would — for `--seconds` (60) per mode, the modes (`--modes`, all three by
+default) one after the other in the same run:
 
 - `adaptive`: the provider's limit shared by both replicas in the `JUDGE_LIMITS` key-value bucket
   of a real nats-server (AIMD, `evalbus_judge.limits`), ceiling `--ceiling` (32);
 - `fixed-4` and `fixed-32`: no adaptive limit, the old fixed concurrency (4, or 32) across both
   replicas; a 429 is retried after its `Retry-After` as before.
 
-Figures per mode: accepted (200) requests per second over the whole run and after its first
-`--warmup-s` (10) seconds (the steady rate, once the adaptive limit has found the provider's),
-429s as a fraction of all answers of the run, judged cases, and the adaptive limit as each replica
-last saw it.
+Figures per mode: accepted (200) requests per second over the whole run, from a cold start (a
+provider the `JUDGE_LIMITS` bucket has never seen), and after its first `--warmup-s` (10) seconds
+(the steady rate), 429s as a fraction of all answers of the run, judged cases, the adaptive limit
+as each replica last saw it, and second by second: 200s, 429s, the limit and the calls in flight
+(to see where a shortfall is: the start, or the steady state).
 
-Goals: adaptive steady accepted rate ≥ 0.9 × the limit, adaptive 429s ≤ 2 % of all answers (the
-start's overshoot included); printed beside the fixed modes measured in the same run.
+Goals: adaptive accepted rate over the whole run (its start included) ≥ 0.9 × the limit, adaptive
+429s ≤ 2 % of all answers; printed beside the fixed modes measured in the same run.
 
-    uv run python bench/ratelimit.py [--limit 20] [--latency-s 1.0] [--seconds 40] [--warmup-s 10]
-        [--workers 64] [--ceiling 32] [--json] [--check]
+    uv run python bench/ratelimit.py [--limit 20] [--latency-s 1.0] [--seconds 60] [--warmup-s 10]
+        [--workers 64] [--ceiling 32] [--modes adaptive fixed-4 fixed-32] [--json] [--check]
 """
 
 from __future__ import annotations
@@ -173,16 +174,15 @@ async def main(args: argparse.Namespace) -> int:
                 await asyncio.sleep(1.0)  # let the provider's window roll over between modes
     finally:
         await server.stop()
-    adaptive = next(
-        (m for m in modes if m["mode"] == "adaptive"), {"steady_ratio_to_limit": None, "refused_fraction": None}
-    )
+    adaptive = next((m for m in modes if m["mode"] == "adaptive"), {"ratio_to_limit": None, "refused_fraction": None})
     goals = [
         goal(
             "adaptive accepted rate / limit",
-            adaptive["steady_ratio_to_limit"],
+            adaptive["ratio_to_limit"],
             ">=",
             0.9,
-            f"the server's {args.limit} req/s, {REPLICAS} replicas sharing it, after the first {args.warmup_s:g} s",
+            f"the server's {args.limit} req/s, {REPLICAS} replicas sharing it, over the whole "
+            f"{args.seconds:g} s from a cold start",
         ),
         goal(
             "adaptive 429 fraction",
@@ -254,7 +254,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--limit", type=int, default=20, help="requests per second the server accepts")
     parser.add_argument("--latency-s", type=float, default=1.0, help="seconds each request takes")
-    parser.add_argument("--seconds", type=float, default=40.0, help="seconds of load per mode")
+    parser.add_argument("--seconds", type=float, default=60.0, help="seconds of load per mode")
     parser.add_argument("--warmup-s", type=float, default=10.0, help="seconds at the start left out of the steady rate")
     parser.add_argument("--workers", type=int, default=64, help="cases in flight per replica")
     parser.add_argument("--ceiling", type=int, default=32, help="JUDGE_GLOBAL_LIMIT: the adaptive limit's ceiling")

@@ -33,6 +33,7 @@ from evalbus_judge.limits import (
     quota_left,
     share,
     succeeded,
+    window_requests,
 )
 from evalbus_runtime import connect
 from evalbus_runtime.secrets import SecretStore
@@ -53,6 +54,13 @@ def test_slow_start_triples_per_round_while_the_window_is_empty_then_grows_by_a_
     for _ in range(14):  # two rounds at ~7 in flight: about +0.5 each
         state = succeeded(state, "r1", 100.0, ceiling=64, remaining=0.6)
     assert 7.9 < state.limit < 8.1
+    # nor, while starting, past the requests the provider's window admits
+    windowed = ProviderState(limit=18.0)
+    for _ in range(4):
+        windowed = succeeded(windowed, "r1", 100.0, ceiling=64, remaining=0.9, window=20.0)
+    assert (windowed.limit, windowed.slow_start) == (20.0, True)
+    above = succeeded(ProviderState(limit=25.0), "r1", 100.0, ceiling=64, remaining=0.9, window=20.0)
+    assert above.limit == 25.0  # the cap never lowers it: refusals do
     # never past the ceiling
     capped = ProviderState(limit=8.0)
     for _ in range(20):
@@ -122,6 +130,9 @@ def test_quota_headers_and_provider_names() -> None:
     assert quota_left({"x-ratelimit-remaining-requests": "0", "x-ratelimit-limit-requests": "20"}) == 0.0
     assert quota_left({"x-ratelimit-remaining-requests": "n/a", "x-ratelimit-limit-requests": "20"}) is None
     assert quota_left({}) is None
+    assert window_requests({"x-ratelimit-limit-requests": "20", "x-ratelimit-remaining-requests": "3"}) == 20.0
+    assert window_requests({"x-ratelimit-limit-requests": "0"}) is None
+    assert window_requests({"x-ratelimit-limit-tokens": "1000"}) is None
     assert provider_name("https://user:pw@api.example.com:8443/v1/", "m") == "https://api.example.com:8443/v1 m"
 
 

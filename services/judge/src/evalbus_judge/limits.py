@@ -7,8 +7,9 @@ use it. The limit moves by AIMD, decided by pure functions (`succeeded`, `limite
 
 - **slow start**: from `INITIAL_LIMIT`, +`SLOW_START_STEP` per success scaled by the fraction of
   the provider's quota its `x-ratelimit-remaining-requests` (or `-tokens`) says is left — the
-  limit triples every round of calls while the provider's window is empty, less as it fills —
-  until a refusal, a quota left under `NEAR_REMAINING`, or a spent one;
+  limit triples every round of calls while the provider's window is empty, less as it fills, and
+  never passes the requests one window admits (`x-ratelimit-limit-requests`) — until a refusal, a
+  quota left under `NEAR_REMAINING`, or a spent one;
 - **additive increase** afterwards: +`ADDITIVE_STEP` per round of calls, except within `HOLD_S` of
   a success that said the quota is **spent** (under `SPENT_REMAINING` left): the provider's window
   is full at this limit, so it holds there instead of probing past it;
@@ -26,7 +27,9 @@ Each replica runs at most its share of the limit at once: the replicas seen in t
 first call when the key does not list it) split it, the first ones (by id) taking the remainder —
 so together they hold the limit (never less than one call per replica).
 Every outcome is written by compare-and-set (create, else update from the revision read, retried
-on a conflict); a replica that cannot reach the bucket keeps going on the state it last saw.
+on a conflict). Every replica watches the key, so a write (a replica joining, a pause, a new
+limit) reaches the others at once; a read every `REFRESH_S` backs the watch up, and a replica that
+cannot reach the bucket keeps going on the state it last saw.
 
 The limit guards providers only: a case whose judges are all rules never waits here.
 """
