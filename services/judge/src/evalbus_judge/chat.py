@@ -24,7 +24,7 @@ import aiohttp
 import msgspec
 
 from evalbus_judge.errors import JudgeMachineryError
-from evalbus_judge.limits import Outcome, ProviderLimiter, ProviderLimits, quota_left
+from evalbus_judge.limits import Outcome, ProviderLimiter, ProviderLimits, quota_left, window_requests
 from evalbus_runtime.secrets import SecretValue
 
 log = logging.getLogger(__name__)
@@ -243,7 +243,12 @@ class ChatClient:
             signal = "ok"
         elif status in (429, 503):
             signal = "limited"
-        await limiter.record(signal, retry_after_s=retry_after, remaining=quota_left(answer_headers))
+        await limiter.record(
+            signal,
+            retry_after_s=retry_after,
+            remaining=quota_left(answer_headers),
+            window=window_requests(answer_headers),
+        )
         return outcome, retry_after
 
     async def _attempt(

@@ -33,7 +33,7 @@ class JudgeSettings(ServiceSettings):
     """Comma-separated base URLs, besides the default, that model judges may send a named secret to."""
     global_limit: int = 32
     """Most model calls in flight to one provider (base URL + model) across ALL replicas: the
-    ceiling of its adaptive limit (`limits.py`), which starts at 2 and adapts to the provider."""
+    ceiling of its adaptive limit (`limits.py`), which starts at 4 and adapts to the provider."""
     max_in_flight: int = 512
     """Cases in flight across ALL replicas (the consumer's max_ack_pending): rule judges run at
     this, not at a provider's limit."""
@@ -82,6 +82,7 @@ def build_judge(service: Service, settings: JudgeSettings, registry: JudgeRegist
 
     async def stop(_: Service) -> None:
         await chat.close()
+        await limits.close()
 
     consumer = msgspec.structs.replace(JUDGE_CASES, max_ack_pending=settings.max_in_flight)
 
