@@ -150,7 +150,7 @@ async def test_a_batch_and_a_running_run_watched_live_in_the_browser(
     await expect(page.locator('[data-testid="trace"] li[data-kind="tool_call"]')).to_have_count(2, timeout=30_000)
     await expect(page.get_by_test_id("trace-state")).to_have_text("Live trace")
     await expect(page.get_by_test_id("screen-state")).to_have_text(
-        "No screen for this run: the harness declared no browser (EVALBUS_CDP)."
+        "No screen for this run: the harness declared no screen (EVALBUS_CDP or EVALBUS_DISPLAY)."
     )
     await expect(page.get_by_test_id("open-shell")).to_be_visible()
     await shot(page, "03-run-live")
