@@ -15,6 +15,7 @@ import pytest
 
 from evalbus.testing.chromium import ensure_chromium, png_size_and_first_pixel
 from evalbus.testing.pipeline import eventually
+from evalbus.testing.png import decode_png
 from evalbus_dispatcher.screen import capture_browser, work_tab
 
 pytestmark = pytest.mark.integration
@@ -88,6 +89,11 @@ async def test_the_frame_is_the_front_tab_of_a_real_browser(browser: str) -> Non
     assert width == 640
     assert 0 < height <= 480  # the window less what headless Chromium keeps for itself
     assert pixel == (255, 0, 0)
+    # the whole frame decoded (Chromium's rows use every PNG filter): the far corner is the page too
+    pixels = decode_png(base64.b64decode(shot.data_url.split(",", 1)[1]))
+    assert (pixels.width, pixels.height) == (width, height)
+    assert pixels.at(width - 1, height - 1) == (255, 0, 0)
+    assert len(pixels.colours()) > 1  # the page's text is drawn on it
 
 
 async def test_nothing_declared_or_nothing_answering_is_unsupported() -> None:

@@ -7,26 +7,50 @@ falls back to the display. The converter is checked on synthetic dumps of every 
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import json
 import random
 import struct
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import aiohttp
 import pytest
 
+from evalbus.testing.pipeline import eventually
 from evalbus.testing.png import decode_png
 from evalbus.testing.xvfb import X11Tools, ensure_x11, paint, running_xvfb, unused_display
-from evalbus_contracts import CaseRequested
-from evalbus_dispatcher import LocalBackend
+from evalbus_contracts import CasePlan, CaseRequested, CaseSpec, HarnessSpec, batch_run_id
+from evalbus_dispatcher import LiveSink, LocalBackend, execute_case
 from evalbus_dispatcher.backends.base import SandboxHandle
+from evalbus_dispatcher.execute import MarkFn
 from evalbus_dispatcher.harness_output import parse_line
 from evalbus_dispatcher.screen import MAX_IMAGE_BYTES, NOTHING_DECLARED, Declared, capture, capture_display, frame_of
 from evalbus_dispatcher.xwd import XwdError, xwd_to_png
 
+from .conftest import LiveRecord
+
 pytestmark = pytest.mark.integration
 
 MakeRequest = Callable[..., CaseRequested]
+
+DISPLAY_AGENT = """
+import json, time
+from pathlib import Path
+
+from evalbus import harness
+
+
+@harness
+def solve(case, ctx):
+    task = json.loads(case.input)
+    ctx.display(task["display"])
+    print("drawing on", task["display"])
+    while not Path(task["go"]).exists():
+        time.sleep(0.02)
+    return "drawn"
+"""
 
 
 def header(width: int, height: int, *, bits: int, msb: bool, pad: int, visual: int, ncolors: int) -> bytes:
@@ -207,3 +231,53 @@ async def test_a_released_sandbox_has_no_screen(x11: X11Tools, sandbox: SandboxH
     assert (shot.supported, shot.found) == (False, False)
     assert shot.reason is not None
     assert shot.reason.startswith("no live sandbox")
+
+
+async def test_a_worker_case_declares_its_display_with_the_sdk(
+    x11: X11Tools, backend: LocalBackend, tmp_path: Path, live: LiveSink, live_records: list[LiveRecord]
+) -> None:
+    (tmp_path / "dagent.py").write_text(DISPLAY_AGENT)
+    go = tmp_path / "go"
+    harness = HarnessSpec(kind="worker", id="w", python="dagent:solve", env={"PYTHONPATH": str(tmp_path)})
+    seen: dict[str, tuple[SandboxHandle, Declared]] = {}
+
+    async def on_sandbox(handle: SandboxHandle, _mark: MarkFn, declared: Declared) -> Callable[[], Awaitable[None]]:
+        seen["run"] = (handle, declared)
+
+        async def detach() -> None:
+            seen.pop("run", None)
+
+        return detach
+
+    async with aiohttp.ClientSession() as http, running_xvfb(x11, 40, 30) as display:
+        await paint(x11, display, "#ffff00")
+        req = CaseRequested(
+            batch_id="wdisp",
+            case_id="c1",
+            run_id=batch_run_id("wdisp", "c1", None),
+            case=CaseSpec(id="c1", input=json.dumps({"display": display, "go": str(go)})),
+            harness=harness,
+            plan=CasePlan(suite_id="suite"),
+        )
+        running = asyncio.create_task(
+            execute_case(req, backend, live=live, on_release=lambda: None, on_sandbox=on_sandbox)
+        )
+        try:
+
+            def declared_display() -> bool:
+                return "run" in seen and seen["run"][1].display == display
+
+            await eventually(declared_display, timeout_s=30, what="the worker case declaring its display")
+            handle, declared = seen["run"]
+            shot = await capture(http, handle, declared)
+            assert (shot.supported, shot.found) == (True, True), shot.reason
+            assert shot.data_url is not None
+            assert decode_png(_b64(shot.data_url)).colours() == {(255, 255, 0)}
+        finally:
+            go.touch()
+            executed = await asyncio.wait_for(running, 60)
+            await backend.close()
+    assert executed.status == "succeeded", executed.result.failure
+    text = "".join(rec[1][1] for rec in live_records if rec[0] == "log")
+    assert f"drawing on {display}" in text
+    assert "EVALBUS_DISPLAY" not in text  # the declaration is a control line, never the log
