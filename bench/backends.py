@@ -29,7 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -63,6 +63,7 @@ from evalbus_dispatcher.backends.job_spec import runner_job
 from evalbus_dispatcher.backends.kubernetes import JobTemplate, KubernetesBackend
 from evalbus_dispatcher.backends.nomad import NomadTemplate, connect_nomad
 from evalbus_dispatcher.execute import MarkFn
+from evalbus_dispatcher.screen import Declared
 from evalbus_runtime.secrets import SecretStore
 
 SECRET = "bench-secret-5d1c"
@@ -154,7 +155,7 @@ async def one_case(backend: Backend, req: CaseRequested) -> dict[str, Any]:
     """Run one case; its phases in seconds."""
     sink = _Marks()
 
-    async def on_sandbox(handle: SandboxHandle, mark: MarkFn, _cdp: Callable[[], str | None]) -> Any:
+    async def on_sandbox(handle: SandboxHandle, mark: MarkFn, _declared: Declared) -> Any:
         if isinstance(handle, Observed):
             handle.observe(mark)
 

@@ -3,7 +3,7 @@ through `executable_path`; Playwright's own browser download is never used): log
 watch a batch's cases turn green live, open a running run and read its live log and trace, see it
 sealed, read the summary and the online page; watch a live browser case's screen and work in its
 sandbox through the terminal widget (xterm.js over the terminal WebSocket) until the sandbox is
-released; compare two batches and find the regression. Screenshots go to
+released; watch a desktop case's X display (a real Xvfb) in the same screen widget; compare two batches and find the regression. Screenshots go to
 `.test-artifacts/dashboard/`.
 
 The services are real processes (`open_pipeline`). Chromium is installed with apt by
@@ -27,6 +27,8 @@ from playwright.async_api import Browser, Locator, Page, async_playwright, expec
 
 from evalbus.testing.chromium import ensure_chromium, png_size_and_first_pixel
 from evalbus.testing.pipeline import Pipeline, eventually, open_pipeline, wait_path
+from evalbus.testing.png import decode_png
+from evalbus.testing.xvfb import ensure_x11
 from evalbus_contracts import (
     AnswerMatchGrader,
     BatchPolicy,
@@ -42,6 +44,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
 LIVE_AGENT = ROOT / "tests" / "harnesses" / "live_agent.py"
 BROWSER_AGENT = ROOT / "tests" / "harnesses" / "browser_agent.py"
+DESKTOP_AGENT = ROOT / "tests" / "harnesses" / "desktop_agent.py"
 ARTIFACTS = ROOT / ".test-artifacts" / "dashboard"
 CHROMIUM_FLAGS = [
     "--no-sandbox",
@@ -149,8 +152,10 @@ async def test_a_batch_and_a_running_run_watched_live_in_the_browser(
     await expect(page.get_by_test_id("log")).to_contain_text("held: searching the archive", timeout=30_000)
     await expect(page.locator('[data-testid="trace"] li[data-kind="tool_call"]')).to_have_count(2, timeout=30_000)
     await expect(page.get_by_test_id("trace-state")).to_have_text("Live trace")
+    # the live phase (its placement), not the recorded stage, which still reads "requested"
+    await expect(page.get_by_test_id("run-phase")).to_have_text("running", timeout=30_000)
     await expect(page.get_by_test_id("screen-state")).to_have_text(
-        "No screen for this run: the harness declared no browser (EVALBUS_CDP)."
+        "No screen for this run: the harness declared no screen (EVALBUS_CDP or EVALBUS_DISPLAY)."
     )
     await expect(page.get_by_test_id("open-shell")).to_be_visible()
     await shot(page, "03-run-live")
@@ -160,6 +165,7 @@ async def test_a_batch_and_a_running_run_watched_live_in_the_browser(
     await expect(page.get_by_test_id("log").locator("span.stderr")).to_contain_text("held: a warning")
     await expect(page.get_by_test_id("trace-state")).to_contain_text("Sealed trajectory", timeout=60_000)
     await expect(page.get_by_test_id("run-facts")).to_contain_text("pass")
+    await expect(page.get_by_test_id("run-phase")).to_have_text(re.compile(r"^(judged|exported)$"))
     await expect(page.get_by_test_id("open-shell")).to_be_hidden()
     await expect(page.get_by_test_id("terminal-state")).to_have_attribute("data-state", "settled")
     await shot(page, "04-run-sealed")
@@ -413,6 +419,40 @@ def adder_batch(suite_id: str, *, bug: bool = False, flaky: bool = False) -> Bat
         gates=GATES if bug else (),
         policy=BatchPolicy(trials=2 if flaky else 1),
     )
+
+
+async def test_a_live_desktop_runs_screen_in_the_browser(pipeline: Pipeline, browser: Browser, tmp_path: Path) -> None:
+    p = pipeline
+    x11 = ensure_x11()
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    task = {"xvfb": x11.xvfb, "xsetroot": x11.xsetroot, "colour": "#0000ff", "ready": str(ready), "go": str(go)}
+    spec = BatchSpec(
+        suite=SuiteSpec(id=f"dash-desk-{uuid.uuid4().hex[:6]}", cases=(CaseSpec(id="desk", input=json.dumps(task)),)),
+        harness=CommandHarness(id="desktop-agent", command=(sys.executable, str(DESKTOP_AGENT)), timeout_s=120),
+    )
+    batch_id = await p.submit(spec)
+    run_id = f"evb-{batch_id}-desk"
+    await wait_path(ready, timeout_s=60)
+    display = ready.read_text()
+    page = await logged_in(browser, p)
+    await page.goto(f"{p.stack.gateway_url}/#/run/{run_id}")
+
+    # The same widget shows the X display's frame (an xwd dump the dispatcher turned into a PNG).
+    await expect(page.get_by_test_id("run-phase")).to_have_text("running", timeout=30_000)
+    await expect(page.get_by_test_id("screen-state")).to_have_attribute("data-state", "live", timeout=30_000)
+    await expect(page.get_by_test_id("screen-state")).to_contain_text(f"Live screen of display {display} (320x200)")
+    frame = page.get_by_test_id("screen")
+    await expect(frame).to_have_js_property("naturalWidth", 320)  # decoded by the page
+    src = await frame.get_attribute("src")
+    assert src is not None
+    assert decode_png(base64.b64decode(src.split(",", 1)[1])).colours() == {(0, 0, 255)}
+    await shot(page, "10-run-desktop-screen")
+
+    go.touch()
+    await expect(page.get_by_test_id("screen-state")).to_have_attribute("data-state", "ended", timeout=60_000)
+    await expect(page.get_by_test_id("run-phase")).to_have_text(re.compile(r"^(executed|judged|exported)$"))
+    assert await csp_violations(page) == []
+    await page.close()
 
 
 async def test_the_compare_page_shows_a_regression_against_the_baseline(pipeline: Pipeline, browser: Browser) -> None:

@@ -21,7 +21,7 @@ import pytest
 
 from evalbus.testing.pipeline import REPO_ROOT, Pipeline, eventually, open_pipeline, wait_path
 from evalbus_contracts import BatchSpec, CaseExecuted, CaseSpec, CommandHarness, Infra, Log, SuiteSpec, decode_event
-from evalbus_gateway.client import GatewayClient
+from evalbus_gateway.client import ApiRequestError, GatewayClient
 from evalbus_gateway.live.placement import RunPlacement
 from evalbus_gateway.testing import RunningGateway, running_gateway
 
@@ -117,6 +117,24 @@ async def test_a_running_run_and_the_one_queued_behind_it(
 
     queued = await same_on_both(pipeline, replica, second)
     assert (queued.status, queued.phase) == ("queued", "queued")
+
+    async def phases() -> list[tuple[str, str | None]]:
+        return [
+            ((v := await client.run(run)).stage, v.phase)
+            for client in (pipeline.gw, replica)
+            for run in (first, second)
+        ]
+
+    async def recorded() -> bool:  # the recorder writes the runs a moment after their requests
+        try:
+            await phases()
+        except ApiRequestError:
+            return False
+        return True
+
+    await eventually(recorded, timeout_s=30, what="both runs recorded")
+    # the run's own view says where it is, on every replica, while its stage still reads "requested"
+    assert await phases() == [("requested", "running"), ("requested", "queued")] * 2
     assert (
         queued.reason
         == "waiting for a compute slot: 0 ahead of it; all 1 slot(s) of 1 dispatcher(s) are busy (d-1: 1/1)"
@@ -126,6 +144,11 @@ async def test_a_running_run_and_the_one_queued_behind_it(
     await pipeline.finalized(batch_id)
     done = await same_on_both(pipeline, replica, first)
     assert (done.status, done.phase, done.oom) == ("succeeded", "dead", False)
+
+    async def exported() -> bool:
+        return (await replica.run(first)).phase == "exported"
+
+    await eventually(exported, timeout_s=30, what="c1's phase exported")
     assert done.reason is not None
     assert done.reason.startswith("the run settled (succeeded); the harness exited with 0 after ")
 

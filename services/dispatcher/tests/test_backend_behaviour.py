@@ -53,6 +53,7 @@ from evalbus_dispatcher.backends.base import Backend, Interactive, Observed, San
 from evalbus_dispatcher.backends.kubernetes import JobTemplate, KubernetesBackend
 from evalbus_dispatcher.backends.nomad import NomadTemplate, connect_nomad
 from evalbus_dispatcher.execute import MarkFn
+from evalbus_dispatcher.screen import Declared
 from evalbus_dispatcher.service import DispatcherSettings, kubernetes_backend, nomad_backend
 from evalbus_runtime.secrets import SecretStore
 from evalbus_runtime.settings import SettingsError, load_settings
@@ -242,7 +243,7 @@ async def run(
     *,
     during: Callable[[SandboxHandle, MarkFn], Coroutine[Any, Any, None]] | None = None,
 ) -> Any:
-    async def on_sandbox(handle: SandboxHandle, mark: MarkFn, _cdp: Callable[[], str | None]) -> Any:
+    async def on_sandbox(handle: SandboxHandle, mark: MarkFn, _declared: Declared) -> Any:
         target.handles.append(handle)
         if isinstance(handle, Observed):
             handle.observe(mark)

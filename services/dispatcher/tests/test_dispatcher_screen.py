@@ -15,7 +15,8 @@ import pytest
 
 from evalbus.testing.chromium import ensure_chromium, png_size_and_first_pixel
 from evalbus.testing.pipeline import eventually
-from evalbus_dispatcher.screen import capture, work_tab
+from evalbus.testing.png import decode_png
+from evalbus_dispatcher.screen import capture_browser, work_tab
 
 pytestmark = pytest.mark.integration
 
@@ -79,7 +80,7 @@ async def test_the_frame_is_the_front_tab_of_a_real_browser(browser: str) -> Non
         await open_page(http, browser, page("rgb(0,0,255)"))  # opened later, so newer
         async with http.get(f"{browser}/json/activate/{work}") as resp:
             assert resp.status == 200
-        shot = await capture(http, browser)
+        shot = await capture_browser(http, browser)
     assert (shot.supported, shot.found) == (True, True), shot.reason
     assert shot.target == page("rgb(255,0,0)")
     assert shot.data_url is not None
@@ -88,17 +89,22 @@ async def test_the_frame_is_the_front_tab_of_a_real_browser(browser: str) -> Non
     assert width == 640
     assert 0 < height <= 480  # the window less what headless Chromium keeps for itself
     assert pixel == (255, 0, 0)
+    # the whole frame decoded (Chromium's rows use every PNG filter): the far corner is the page too
+    pixels = decode_png(base64.b64decode(shot.data_url.split(",", 1)[1]))
+    assert (pixels.width, pixels.height) == (width, height)
+    assert pixels.at(width - 1, height - 1) == (255, 0, 0)
+    assert len(pixels.colours()) > 1  # the page's text is drawn on it
 
 
 async def test_nothing_declared_or_nothing_answering_is_unsupported() -> None:
     async with aiohttp.ClientSession() as http:
-        none = await capture(http, None)
+        none = await capture_browser(http, None)
         assert (none.supported, none.found, none.reason) == (
             False,
             False,
             "the harness declared no browser (EVALBUS_CDP)",
         )
-        gone = await capture(http, "http://127.0.0.1:1")
+        gone = await capture_browser(http, "http://127.0.0.1:1")
         assert (gone.supported, gone.found) == (False, False)
         assert gone.reason is not None
         assert gone.reason.startswith("the browser at http://127.0.0.1:1 did not answer")

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from evalbus_contracts import DispatcherStatus, Infra, PlacementSample
-from evalbus_gateway.live.placement import Asked, MarkSeen, Requested, RunPlacement, SampleSeen, project
+from evalbus_gateway.live.placement import Asked, MarkSeen, Requested, RunPlacement, SampleSeen, project, run_phase
 from evalbus_gateway.live.views import RunStatus
 
 pytestmark = pytest.mark.unit
@@ -163,3 +163,25 @@ def test_an_execution_its_dispatcher_no_longer_answers_for_is_dead() -> None:
     assert view.reason.startswith("dispatcher d-1 stopped answering: nothing heard of this execution for 39s")
     # Listed by a live dispatcher, the same silence is just a quiet run.
     assert place(seen=old, latest=stale_sample, statuses=[status("d-1", 1, (RUN,))]).phase == "running"
+
+
+def test_the_run_phase_is_the_placement_until_it_settles_then_the_stage() -> None:
+    held = place(seen=marks("accepted", "started", "placed"), latest=sample(), statuses=[status("d-1", 1, (RUN,))])
+    assert run_phase("requested", None, None) == "queued"  # nothing on the LIVE stream yet
+    assert run_phase("requested", None, place(status_="queued", statuses=[status("d-1", 1)])) == "queued"
+    assert run_phase("requested", None, place(seen=marks("accepted", "started"))) == "starting"
+    assert run_phase("requested", None, place(seen=marks("accepted", "waiting"))) == "blocked"
+    assert run_phase("requested", None, held) == "running"
+    released = place(seen=marks("accepted", "started", "placed", "exited", "released"), latest=sample("exited"))
+    assert run_phase("requested", None, released) == "finishing"
+    lost = place(seen=marks("accepted", "started", "placed", age_s=60), statuses=[])
+    assert lost.phase == "dead"
+    assert run_phase("requested", None, lost) == "lost"
+    # settled on the stream before the read model recorded it
+    assert run_phase("requested", None, place(status_="succeeded", seen=marks("accepted"))) == "executed"
+    assert run_phase("requested", None, place(status_="failed", seen=marks("accepted"))) == "failed"
+    # settled in the read model: the furthest stage, or the execution's failure
+    assert run_phase("exported", "succeeded", None) == "exported"
+    assert run_phase("judged", "succeeded", None) == "judged"
+    assert run_phase("exported", "failed", None) == "failed"
+    assert run_phase("exported", "cancelled", None) == "cancelled"

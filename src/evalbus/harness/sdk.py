@@ -33,6 +33,7 @@ from evalbus_contracts import LlmCall, Log, Message, ToolCall, ToolResult, Trace
 from evalbus_contracts.worker_protocol import (
     CaseMessage,
     CdpMessage,
+    DisplayMessage,
     EventMessage,
     LogMessage,
     Ready,
@@ -146,6 +147,10 @@ class Context:
         """Declare the DevTools endpoint of the browser this case drives (the run's live screen)."""
         self._channel.send(CdpMessage(run_id=self.run_id, url=url))
 
+    def display(self, name: str) -> None:
+        """Declare the X display this case works on (`:99`; the run's live screen of a desktop case)."""
+        self._channel.send(DisplayMessage(run_id=self.run_id, display=name))
+
 
 _encoder = msgspec.json.Encoder()
 
@@ -156,7 +161,7 @@ class _Channel:
     def __init__(self, out: IO[bytes]) -> None:
         self._out = out
 
-    def send(self, message: Ready | EventMessage | LogMessage | CdpMessage | ResultMessage) -> None:
+    def send(self, message: Ready | EventMessage | LogMessage | CdpMessage | DisplayMessage | ResultMessage) -> None:
         self._out.write(_encoder.encode(message) + b"\n")
         self._out.flush()
 

@@ -135,7 +135,7 @@ CLOSE_RELEASED = 4410
 
 
 class ScreenRequest(_Control, frozen=True, kw_only=True):
-    """`ctl.<run>.screen`: capture what the run's browser shows."""
+    """`ctl.<run>.screen`: capture what the run's screen shows (its browser, else its X display)."""
 
     principal: str | None = None
     """Who asked."""
@@ -145,13 +145,14 @@ class ScreenReply(_Control, frozen=True, kw_only=True):
     """The capture: `supported` is whether a screen could be reached at all (the attempt itself)."""
 
     supported: bool
-    """A screen was reachable (a declared CDP endpoint answered with a page)."""
+    """A screen was reachable: a declared CDP endpoint answered with a page, or the capture command
+    ran in the sandbox against a declared X display."""
     found: bool
     """A frame was captured."""
     data_url: str | None = None
     """`data:image/png;base64,…` of the frame."""
     target: str | None = None
-    """The page captured (its URL)."""
+    """What was captured: the page's URL, or `display :99 (1280x1024)`."""
     reason: str | None = None
     """Why there is no frame."""
 

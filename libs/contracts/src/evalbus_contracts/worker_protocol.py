@@ -3,8 +3,8 @@ worker`) and reads back what each case did. JSON lines: one JSON object per line
 
 The worker says `ready` once on stdout when it can take cases. The dispatcher then writes one
 `case` at a time on the worker's stdin and waits; the worker answers with any number of `event`,
-`log` and `cdp` lines for that case, then exactly one `result`. Every line a worker writes about a
-case carries that case's `run_id`. The worker's stderr is free text, attributed to the case it is
+`log`, `cdp` and `display` lines for that case, then exactly one `result`. Every line a worker
+writes about a case carries that case's `run_id`. The worker's stderr is free text, attributed to the case it is
 serving. End of stdin means: finish and exit. Anything else on stdout — a line that is not one of
 these objects, a line for another run, a second `ready` — breaks the protocol: the worker is killed
 and its case fails (`worker_protocol`).
@@ -89,6 +89,15 @@ class CdpMessage(_Message, frozen=True, kw_only=True, tag="cdp"):
     """`http://host:port`."""
 
 
+class DisplayMessage(_Message, frozen=True, kw_only=True, tag="display"):
+    """Worker → dispatcher: the X display the case works on (live screen of a desktop case)."""
+
+    run_id: str
+    """The case's run id."""
+    display: str
+    """The display name, `:99` (as `DISPLAY`)."""
+
+
 class ResultMessage(_Message, frozen=True, kw_only=True, tag="result"):
     """Worker → dispatcher: the case is done; the worker is ready for the next one."""
 
@@ -101,5 +110,5 @@ class ResultMessage(_Message, frozen=True, kw_only=True, tag="result"):
     (`harness_error`), the worker goes on."""
 
 
-WorkerOutput = Ready | EventMessage | LogMessage | CdpMessage | ResultMessage
+WorkerOutput = Ready | EventMessage | LogMessage | CdpMessage | DisplayMessage | ResultMessage
 """Any line a worker writes on stdout."""

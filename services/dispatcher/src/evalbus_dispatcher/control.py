@@ -9,7 +9,8 @@ which replica it is (nobody subscribed: no live sandbox holds the run).
   `term.<session>.in`, its output and its end on `term.<session>.out`, keep-alives both ways; the
   shell ends when the sandbox is released (`closed`, code 4410), when the client leaves or goes
   silent, or by itself;
-- `screen`: a frame of the run's browser over CDP (see `screen`).
+- `screen`: a frame of the run's browser over CDP, or of its X display dumped by `xwd` through the
+  exec path (see `screen`).
 
 Every action is marked in the run's trace (`exec`, `terminal`), so the sealed trajectory says that
 someone acted in the sandbox, who, and how it ended.

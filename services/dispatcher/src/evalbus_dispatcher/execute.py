@@ -55,7 +55,7 @@ from evalbus_dispatcher.errors import BackendError
 from evalbus_dispatcher.harness_output import complete_trace, log_tail, parse_stdout
 from evalbus_dispatcher.live import LiveSink, LiveTee, shift
 from evalbus_dispatcher.placement import SAMPLE_INTERVAL_S, Sampler, exit_message
-from evalbus_dispatcher.screen import CDP_ENV
+from evalbus_dispatcher.screen import Declared
 from evalbus_grading import Evidence, grade_compute, grade_observations, in_grader_order, partition, unmeasured_scores
 from evalbus_runtime.secrets import MissingSecretError
 
@@ -63,9 +63,10 @@ log = logging.getLogger(__name__)
 
 MarkFn = Callable[[str, str], Awaitable[None]]
 """Adds an infra mark (event, message) to the run's trace, live and sealed."""
-OnSandbox = Callable[[SandboxHandle, MarkFn, Callable[[], str | None]], Awaitable[Callable[[], Awaitable[None]]]]
-"""Called with the sandbox once it exists, a way to mark the trace and the harness's browser's
-DevTools endpoint as last declared; returns what to await right before the sandbox's release."""
+OnSandbox = Callable[[SandboxHandle, MarkFn, Declared], Awaitable[Callable[[], Awaitable[None]]]]
+"""Called with the sandbox once it exists, a way to mark the trace and what the harness declared
+for its screen (kept up to date as it declares more); returns what to await right before the
+sandbox's release."""
 
 QUEUE_MARK_S = 1.0
 """A run that waited at least this long in the queue before a dispatcher took it gets a `waiting`
@@ -115,9 +116,11 @@ async def execute_case(
     `backoff_s` is how long a retry waits before provisioning (marked `waiting`, with the reason).
     `dispatcher` names the replica in the marks and samples; `queued` says how the request reached
     it (a long wait or a redelivery is marked `waiting`); the harness is sampled every
-    `sample_interval_s`. `on_sandbox(handle, mark, cdp)` is awaited once the sandbox exists (`mark`
-    adds an infra mark to the run's trace, `cdp()` is the DevTools endpoint of the harness's browser
-    as it last declared it: `EVALBUS_CDP_URL` in its environment, then `EVALBUS_CDP <url>` lines) and
+    `sample_interval_s`. `on_sandbox(handle, mark, declared)` is awaited once the sandbox exists
+    (`mark` adds an infra mark to the run's trace, `declared` is what the harness declared for its
+    live screen, kept current: its browser's DevTools endpoint (`EVALBUS_CDP_URL` in its environment,
+    then `EVALBUS_CDP <url>` lines) and its X display (`EVALBUS_DISPLAY` or `DISPLAY` in its
+    environment, then `EVALBUS_DISPLAY :<n>` lines)) and
     returns what to await right before the sandbox is released: the live actions attach and
     detach there.
     """
@@ -206,8 +209,8 @@ class _Execution:
         self.queued: Queued | None = None
         self.sample_interval_s = SAMPLE_INTERVAL_S
         self.on_sandbox: OnSandbox | None = None
-        self.cdp: str | None = req.harness.env.get(CDP_ENV) or None
-        """The DevTools endpoint of the harness's browser, as last declared."""
+        self.declared = Declared.from_env(req.harness.env)
+        """What the harness declared for its screen, as last declared."""
 
     def _t(self) -> float:
         return time.monotonic() - self._t0
@@ -222,10 +225,13 @@ class _Execution:
         async with LiveTee(self._live) as tee:
             self._tee = tee
 
-            def declared(url: str) -> None:
-                self.cdp = url
+            def browser(url: str) -> None:
+                self.declared.cdp = url
 
-            tee.on_cdp = declared
+            def display(name: str) -> None:
+                self.declared.display = name
+
+            tee.on_cdp, tee.on_display = browser, display
             # How long it waited before this dispatcher took it comes first: that wait came first.
             queue_reason = self.queued.reason() if self.queued is not None else None
             if queue_reason is not None:
@@ -255,7 +261,7 @@ class _Execution:
                     async def mark(event: str, message: str) -> None:
                         await self._mark(tee, event, message)
 
-                    self._detach = await self.on_sandbox(handle, mark, lambda: self.cdp)
+                    self._detach = await self.on_sandbox(handle, mark, self.declared)
                 held = await self._in_sandbox(handle, tee)
             except Exception as e:
                 log.exception("executing the case failed")

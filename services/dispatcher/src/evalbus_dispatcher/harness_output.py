@@ -1,10 +1,10 @@
 """Reading what a command harness prints (pure).
 
 On stdout, a line `EVALBUS_EVENT {json}` is one trace event, a line `EVALBUS_RESULT {json}`
-carries `{"answer": ...}`, and a line `EVALBUS_CDP <url>` declares the Chrome DevTools endpoint
-of the browser the harness drives (for the live screen); all are control lines, hidden from the
-log users see. A torn or
-invalid control line is skipped, never fatal. Without a result line the answer is the rest of
+carries `{"answer": ...}`, a line `EVALBUS_CDP <url>` declares the Chrome DevTools endpoint of the
+browser the harness drives and a line `EVALBUS_DISPLAY :<n>` the X display it works on (both for
+the live screen); all are control lines, hidden from the log users see. A torn or invalid control
+line is skipped, never fatal. Without a result line the answer is the rest of
 stdout, stripped.
 """
 
@@ -26,11 +26,14 @@ RESULT_PREFIX = "EVALBUS_RESULT"
 """Marks the result line."""
 CDP_PREFIX = "EVALBUS_CDP"
 """Marks the line declaring the harness's browser's DevTools endpoint (`http://host:port`)."""
+DISPLAY_PREFIX = "EVALBUS_DISPLAY"
+"""Marks the line declaring the X display the harness works on (`:99`)."""
 TAIL_BYTES = 16 * 1024
 """Cap on log tails (stderr log event, failure evidence)."""
 
-_CONTROL = re.compile(r"^\s*(EVALBUS_EVENT|EVALBUS_RESULT|EVALBUS_CDP)(?:\s+(.*))?$", re.DOTALL)
+_CONTROL = re.compile(r"^\s*(EVALBUS_EVENT|EVALBUS_RESULT|EVALBUS_CDP|EVALBUS_DISPLAY)(?:\s+(.*))?$", re.DOTALL)
 _CDP_URL = re.compile(r"^(https?|wss?)://[^\s]+$")
+_DISPLAY = re.compile(r"^[A-Za-z0-9._-]*:[0-9]+(\.[0-9]+)?$")
 _event_decoder: msgspec.json.Decoder[TraceEvent] = msgspec.json.Decoder(TraceEvent)
 
 
@@ -45,15 +48,17 @@ _result_decoder = msgspec.json.Decoder(_ResultLine)
 class ParsedLine:
     """One classified stdout line."""
 
-    kind: Literal["text", "event", "result", "cdp", "invalid"]
-    """Plain text, a decoded event, a decoded result, a DevTools endpoint, or a torn/invalid control
-    line."""
+    kind: Literal["text", "event", "result", "cdp", "display", "invalid"]
+    """Plain text, a decoded event, a decoded result, a DevTools endpoint, an X display, or a
+    torn/invalid control line."""
     event: TraceEvent | None = None
     """The event, for `event`."""
     answer: str | None = None
     """The answer, for `result`."""
     cdp: str | None = None
     """The DevTools endpoint, for `cdp`."""
+    display: str | None = None
+    """The X display, for `display`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +83,8 @@ def parse_line(line: str) -> ParsedLine:
     payload = (m.group(2) or "").strip()
     if m.group(1) == CDP_PREFIX:
         return ParsedLine(kind="cdp", cdp=payload) if _CDP_URL.match(payload) else ParsedLine(kind="invalid")
+    if m.group(1) == DISPLAY_PREFIX:
+        return ParsedLine(kind="display", display=payload) if _DISPLAY.match(payload) else ParsedLine(kind="invalid")
     try:
         if m.group(1) == EVENT_PREFIX:
             return ParsedLine(kind="event", event=_event_decoder.decode(payload))
@@ -114,7 +121,7 @@ def parse_stdout(stdout: str) -> HarnessOutput:
             events.append(parsed.event)
         elif parsed.kind == "result":
             answer = parsed.answer
-        elif parsed.kind == "cdp":
+        elif parsed.kind in ("cdp", "display"):
             continue
         else:
             invalid += 1

@@ -146,6 +146,8 @@ class LiveTee:
         """Added to the `t` of printed events, to put them on the run's clock."""
         self.on_cdp: Callable[[str], None] | None = None
         """Told the DevTools endpoint a harness declares (`EVALBUS_CDP <url>` on stdout)."""
+        self.on_display: Callable[[str], None] | None = None
+        """Told the X display a harness declares (`EVALBUS_DISPLAY :<n>` on stdout)."""
 
     async def __aenter__(self) -> LiveTee:
         self._task = asyncio.create_task(self._pump())
@@ -170,6 +172,8 @@ class LiveTee:
             return
         if stream == "stdout" and parsed.kind == "cdp" and parsed.cdp is not None and self.on_cdp is not None:
             self.on_cdp(parsed.cdp)
+        if stream == "stdout" and parsed.kind == "display" and parsed.display and self.on_display is not None:
+            self.on_display(parsed.display)
         if parsed.kind != "text":
             return  # control lines (valid or torn) are not user log, on either stream
         self._logs[stream].add(line)

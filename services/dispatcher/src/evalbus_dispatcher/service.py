@@ -429,8 +429,8 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
                 dispatcher=presence.id,
                 queued=Queued(waited_s=waited, delivery=delivery.num_delivered),
                 sample_interval_s=settings.sample_interval_s,
-                on_sandbox=lambda handle, mark, cdp: controls.attach(
-                    run_id, observed(handle, mark), mark, screen=lambda: capture(screens.session, cdp())
+                on_sandbox=lambda handle, mark, declared: controls.attach(
+                    run_id, observed(handle, mark), mark, screen=lambda: capture(screens.session, handle, declared)
                 ),
             )
         finally:

@@ -13,8 +13,8 @@ retires a worker after that many cases (stdin closed: it exits by itself, or is 
 grace).
 
 What a case's worker says is turned into the command harness's own lines (`EVALBUS_EVENT`,
-`EVALBUS_RESULT`, `EVALBUS_CDP`, and the printed text as is), so the live tee, the answer and the
-trace are read exactly as for a command harness.
+`EVALBUS_RESULT`, `EVALBUS_CDP`, `EVALBUS_DISPLAY`, and the printed text as is), so the live tee,
+the answer and the trace are read exactly as for a command harness.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from evalbus_contracts import CaseRequested
 from evalbus_contracts.worker_protocol import (
     CaseMessage,
     CdpMessage,
+    DisplayMessage,
     EventMessage,
     LogMessage,
     Ready,
@@ -220,6 +221,8 @@ class _Worker:
                 await self._line(serving, message.stream, line)
         elif isinstance(message, CdpMessage):
             await self._line(serving, "stdout", "EVALBUS_CDP " + message.url)
+        elif isinstance(message, DisplayMessage):
+            await self._line(serving, "stdout", "EVALBUS_DISPLAY " + message.display)
         else:
             if message.answer is not None:
                 result = _encoder.encode({"answer": message.answer}).decode("utf-8")

@@ -95,7 +95,7 @@ class ScreenView(msgspec.Struct, frozen=True, kw_only=True):
     data_url: str | None = None
     """The frame as `data:image/png;base64,…`."""
     target: str | None = None
-    """The page captured (its URL)."""
+    """What was captured: the page's URL, or `display :99 (1280x1024)` (a desktop case)."""
     reason: str | None = None
     """Why there is no frame."""
 
@@ -268,13 +268,15 @@ ROUTES: tuple[Route, ...] = (
         ("GET",),
         "/v1/runs/{run_id}/screen",
         "getRunScreen",
-        "A frame of what a run's live browser shows",
+        "A frame of what a run's live browser or desktop shows",
         "member",
         run_screen,
         tag="runs",
         description=_WHO + "Captured over CDP (`Page.captureScreenshot`) from the browser the harness declared "
         "(`EVALBUS_CDP <url>` on its stdout, or `EVALBUS_CDP_URL` in its environment), on the page most recently "
-        "active. `supported` is the capture attempt itself: false when no screen could be reached.",
+        "active; else from the X display it declared (`EVALBUS_DISPLAY :<n>` on its stdout, or `EVALBUS_DISPLAY` / "
+        "`DISPLAY` in its environment), dumped by `xwd` inside the sandbox. `supported` is the capture attempt "
+        "itself: false when no screen could be reached.",
         params=(_RUN_ID,),
         responses={200: Body("The frame", ScreenView)},
     ),

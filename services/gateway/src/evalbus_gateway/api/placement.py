@@ -54,10 +54,8 @@ async def _requested(js: JetStreamContext, run: LiveRun) -> Requested | None:
     )
 
 
-async def run_placement(call: Call) -> web.StreamResponse:
-    """GET /v1/runs/{run_id}/placement."""
-    run = await visible_live_run(call, path_id(call.request, "run_id"))
-    js = call.state.js
+async def placement_of(js: JetStreamContext, run: LiveRun) -> RunPlacement:
+    """The run's placement, projected from what the bus holds now."""
     status, marks, sample, requested, (statuses, server_now) = await asyncio.gather(
         run_status(js, run),
         _marks(js, run.run_id),
@@ -65,7 +63,7 @@ async def run_placement(call: Call) -> web.StreamResponse:
         _requested(js, run),
         dispatcher_board(js),
     )
-    view = project(
+    return project(
         run_id=run.run_id,
         status=status,
         marks=marks,
@@ -74,6 +72,12 @@ async def run_placement(call: Call) -> web.StreamResponse:
         statuses=statuses,
         now=server_now or utcnow(),  # the dispatchers' freshness is judged on the server's clock
     )
+
+
+async def run_placement(call: Call) -> web.StreamResponse:
+    """GET /v1/runs/{run_id}/placement."""
+    run = await visible_live_run(call, path_id(call.request, "run_id"))
+    view = await placement_of(call.state.js, run)
     return web.Response(body=encode(view), content_type="application/json")
 
 

@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from evalbus_contracts import BatchCancelled, BatchRequested, BatchSpec, encode, suite_case_count
-from evalbus_gateway.api.access import visible_batch, visible_run
+from evalbus_gateway.api.access import LiveRun, visible_batch, visible_run
 from evalbus_gateway.api.actions import ROUTES as ACTION_ROUTES
 from evalbus_gateway.api.auth import Principal, authenticate, require_admin
 from evalbus_gateway.api.compare import ROUTES as COMPARE_ROUTES
@@ -44,6 +44,7 @@ from evalbus_gateway.api.models import (
 from evalbus_gateway.api.online import ROUTES as ONLINE_ROUTES
 from evalbus_gateway.api.openapi import build_openapi
 from evalbus_gateway.api.placement import ROUTES as PLACEMENT_ROUTES
+from evalbus_gateway.api.placement import placement_of
 from evalbus_gateway.api.reads import finalized_on_stream, list_batches
 from evalbus_gateway.api.rejudge import ROUTE as REJUDGE_ROUTE
 from evalbus_gateway.api.sse import stream_batch_events
@@ -61,6 +62,7 @@ from evalbus_gateway.api.validation import (
     read_body,
     read_json,
 )
+from evalbus_gateway.live.placement import run_phase
 from evalbus_gateway.state import GatewayState
 from evalbus_gateway.store import (
     get_batch,
@@ -261,11 +263,16 @@ async def cancel_batch(call: Call) -> web.StreamResponse:
 
 
 async def get_run_route(call: Call) -> web.StreamResponse:
-    """GET /v1/runs/{run_id}; with `live_trace` while the run is queued or running and its harness
-    exports to a trace platform."""
+    """GET /v1/runs/{run_id}; with its `phase` (its placement's while it has not settled) and, while
+    it is queued or running and its harness exports to a trace platform, `live_trace`."""
     view = await visible_run(call, path_id(call.request, "run_id"))
+    placement = None
+    if view.executed_status is None:
+        live = LiveRun(run_id=view.run_id, batch_id=view.batch_id, case_id=view.case_id, view=view)
+        placement = await placement_of(call.state.js, live)
     link = await live_trace_link(call.state, view)
-    return json_response(view if link is None else msgspec.structs.replace(view, live_trace=link))
+    phase = run_phase(view.stage, view.executed_status, placement)
+    return json_response(msgspec.structs.replace(view, live_trace=link, phase=phase))
 
 
 async def run_trajectory(call: Call) -> web.StreamResponse:
@@ -408,6 +415,10 @@ ROUTES: tuple[Route, ...] = (
         "member",
         get_run_route,
         tag="runs",
+        description="The read model's run, with its `phase`: while it has not settled, its placement phase "
+        "projected from the LIVE stream as `GET /v1/runs/{run_id}/placement` does (`queued`, `blocked`, `starting`, "
+        "`running`; `finishing` once its sandbox is released, `lost` with its dispatcher); then its furthest stage "
+        "recorded (`executed`, `collected`, `judged`, `exported`), or `failed` / `cancelled`.",
         params=(_RUN_ID,),
         responses={200: Body("The run", RunView)},
     ),

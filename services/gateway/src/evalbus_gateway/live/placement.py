@@ -31,6 +31,22 @@ from evalbus_gateway.live.views import RunStatus
 Phase = Literal["queued", "blocked", "starting", "running", "dead"]
 """Where the run's sandbox is."""
 
+RunPhase = Literal[
+    "queued", "blocked", "starting", "running", "finishing", "lost",
+    "executed", "collected", "judged", "exported", "failed", "cancelled",
+]  # fmt: skip
+"""Where a run is, in one word: its sandbox's placement while it has not settled (`finishing` once
+the sandbox is released, `lost` with its dispatcher), then the furthest stage recorded (`failed` or
+`cancelled` when its execution was)."""
+
+_SETTLED: dict[str, RunPhase] = {
+    "requested": "executed",  # settled on the stream before the read model recorded it
+    "executed": "executed",
+    "collected": "collected",
+    "judged": "judged",
+    "exported": "exported",
+}
+
 LOST_AFTER_S = 15.0
 """An execution whose dispatcher lists it nowhere and that published nothing on the LIVE stream for
 this long is lost with its dispatcher."""
@@ -241,3 +257,23 @@ def project(
     if last.event == "waiting" and "accepted" in kinds[:-1]:
         return replace(placed, phase="blocked", reason=last.message)
     return replace(placed, phase="starting")
+
+
+def run_phase(stage: str, executed_status: str | None, placement: RunPlacement | None) -> RunPhase:
+    """The run's phase from its read-model `stage` and `executed_status` and, while it has not
+    settled, its `placement` (None: nothing on the LIVE stream yet, so it is queued)."""
+    settled = executed_status
+    if settled is None and placement is not None and placement.status not in ("queued", "running"):
+        settled = placement.status  # the stream knows before the read model does
+    if settled == "failed":
+        return "failed"
+    if settled == "cancelled":
+        return "cancelled"
+    if settled is not None:
+        return _SETTLED.get(stage, "executed")
+    if placement is None:
+        return "queued"
+    if placement.phase == "dead":
+        released = bool(placement.events) and placement.events[-1].event == "released"
+        return "finishing" if released else "lost"
+    return placement.phase

@@ -25,6 +25,7 @@ from evalbus_contracts import (
     decode,
     decode_event,
 )
+from evalbus_gateway.live.placement import RunPhase
 from evalbus_gateway.store.connections import acquire, snapshot
 from evalbus_gateway.store.projection import project
 from evalbus_gateway.store.recorder import RECORDER_LOCK, SETTLED
@@ -144,6 +145,11 @@ class RunView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     live_trace: LiveTraceLink | None = None
     """While the run is queued or running and its harness exports to a trace platform
     (`GET /v1/runs/{run_id}` only): where to watch its trace live. Gone once the run settles."""
+    phase: RunPhase | None = None
+    """Where the run is, in one word (`GET /v1/runs/{run_id}` only): its placement phase while it has
+    not settled (`queued`, `blocked`, `starting`, `running`, `finishing` once its sandbox is
+    released, `lost` with its dispatcher), then its furthest stage (`executed`, `collected`,
+    `judged`, `exported`), or `failed` / `cancelled`."""
 
 
 class RunPage(msgspec.Struct, frozen=True, kw_only=True):

@@ -651,6 +651,17 @@ function terminalWidget(runId, live) {
   return { node, settled: () => { if (!session) idle(); else open.hidden = true; } };
 }
 
+const RUN_EVERY_MS = 2000;
+
+function phaseBadge(view) {
+  // where the run is: its placement while it has not settled, then its furthest stage (the API's `phase`)
+  const phase = view.phase || view.stage;
+  const node = badge(phase);
+  node.dataset.testid = "run-phase";
+  node.title = `stage recorded: ${view.stage}`;
+  return node;
+}
+
 async function runView(runId) {
   const id = encodeURIComponent(runId);
   const run = await api(`/v1/runs/${id}`).catch((error) => (error.status === 404 ? null : Promise.reject(error)));
@@ -668,7 +679,7 @@ async function runView(runId) {
   function renderFacts(view) {
     const rows = view ? [
       ["case", view.case_id], ["batch", view.batch_id ? el("a", { href: `#/batch/${encodeURIComponent(view.batch_id)}` }, view.batch_id) : "–"],
-      ["stage", badge(view.stage)], ["execution", badge(view.executed_status || "–", view.executed_status)],
+      ["phase", phaseBadge(view)], ["execution", badge(view.executed_status || "–", view.executed_status)],
       ["verdict", badge(view.verdict || "–", view.verdict)], ["answer", view.answer ?? "–"],
       ["scores", scoreText(view.scores) || "–"], ["requested", when(view.requested_at)], ["executed", when(view.executed_at)],
       ["failure", view.failure ? `${view.failure.failure_class}: ${view.failure.message}` : "–"],
@@ -692,6 +703,20 @@ async function runView(runId) {
       ...Object.entries(p).filter(([, v]) => typeof v !== "object").flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, String(v))])));
   }).catch(() => placement.replaceChildren(el("p", { class: "empty" }, "No placement to show.")));
   renderPlacement();
+
+  (async () => {
+    // the phase and the placement follow the run while it is live (each read projects the LIVE stream)
+    let active = true;
+    leaving.add(() => { active = false; });
+    while (active && live()) {
+      await pause(RUN_EVERY_MS);
+      if (!active || !live()) break;
+      const view = await api(`/v1/runs/${id}`).catch(() => null);
+      if (!active || !live()) break; // the end handler renders the settled run
+      if (view) renderFacts(view);
+      await renderPlacement();
+    }
+  })();
 
   follow(`/v1/runs/${id}/logs/stream`, {
     log: (chunk) => {
