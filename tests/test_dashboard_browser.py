@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import asyncpg
 import pytest
 from playwright.async_api import Browser, Locator, Page, async_playwright, expect
 
@@ -37,7 +38,9 @@ from evalbus_contracts import (
     CommandHarness,
     RegressionGate,
     SuiteSpec,
+    batch_run_id,
 )
+from evalbus_gateway.store.recorder import RECORDER_LOCK
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -184,6 +187,55 @@ async def test_a_batch_and_a_running_run_watched_live_in_the_browser(
     await page.get_by_test_id("logout").click()
     await expect(page.get_by_test_id("login-error")).to_have_text("Logged out.")
     await page.close()
+
+
+async def test_a_row_catches_up_with_the_stream_when_the_store_records_late(
+    pipeline: Pipeline, browser: Browser, tmp_path: Path
+) -> None:
+    """The batch page hears of a stage from the stream and reads the row from the event store,
+    which records it a moment later (seconds when the recorder is busy). Here the recorder is held
+    on its advisory lock while case `a` is exported: the page reads a stale row. Once the recorder
+    goes on, the row turns green with no further event of `a` (and no `batch.finalized`: `held`
+    still runs). A page that read the row once per event kept it stale, or never showed it when the
+    first read came before the run was recorded (so this test fails on it at the first row)."""
+    p = pipeline
+    page = await logged_in(browser, p)
+    gates_a, gates_held = tmp_path / "a", tmp_path / "held"
+    gates_a.mkdir()
+    gates_held.mkdir()
+    spec = BatchSpec(
+        suite=SuiteSpec(
+            id=f"late-{uuid.uuid4().hex[:6]}", cases=(phased_case("a", gates_a), phased_case("held", gates_held))
+        ),
+        harness=CommandHarness(id="live-agent", command=(sys.executable, str(LIVE_AGENT)), timeout_s=60),
+    )
+    batch_id = await p.submit(spec)
+    await page.goto(f"{p.stack.gateway_url}/#/batch/{batch_id}")
+    await expect(page.locator('tr[data-case="a"]')).to_be_visible(timeout=60_000)
+    await wait_path(gates_a / "ready", timeout_s=60)
+    await wait_path(gates_held / "ready", timeout_s=60)
+
+    lock: asyncpg.Connection[asyncpg.Record] = await asyncpg.connect(p.database_url)
+    try:
+        await lock.execute("SELECT pg_advisory_lock($1)", RECORDER_LOCK)
+        run_a = batch_run_id(batch_id, "a")
+        reads: list[str] = []  # the page's reads of a's row
+        page.on("response", lambda r: reads.append(r.url) if f"/v1/runs/{run_a}" in r.url else None)
+        (gates_a / "go").touch()  # a runs to its export
+
+        async def exported_on_stream() -> bool:
+            return (await p.stream_counts(batch_id)).get((run_a, "case.exported"), 0) == 1
+
+        await eventually(exported_on_stream, timeout_s=60, what="a's case.exported on the stream")
+        before = len(reads)
+        await eventually(lambda: len(reads) > before, timeout_s=30, what="the page reading a's row again")
+        await expect(page.locator('tr[data-case="a"]')).to_have_attribute("data-verdict", "")
+    finally:
+        await lock.close()  # the recorder goes on
+    await expect(page.locator('tr[data-case="a"]')).to_have_attribute("data-verdict", "pass", timeout=30_000)
+    await expect(page.locator('tr[data-case="held"]')).to_have_attribute("data-verdict", "")
+    (gates_held / "go").touch()
+    await expect(page.locator('tr[data-case="held"]')).to_have_attribute("data-verdict", "pass", timeout=60_000)
 
 
 async def test_a_cookie_session_cannot_write_without_the_csrf_header(pipeline: Pipeline) -> None:

@@ -218,6 +218,9 @@ function scoreText(scores) {
     .map((s) => `${s.metric} ${fmt(s.value)}${s.pass === true ? " ✓" : s.pass === false ? " ✗" : ""}`).join(" · ");
 }
 
+const STAGE_RANK = { requested: 1, executed: 2, collected: 3, judged: 4, exported: 5 };
+// how far a run has come, by its recorded stage (the batch page reads a row again until it is there)
+
 async function batchView(batchId) {
   const id = encodeURIComponent(batchId);
   const batch = await api(`/v1/batches/${id}`);
@@ -316,20 +319,32 @@ async function batchView(batchId) {
     summary);
 
   if (batch.finalized_at) return;
-  const refresh = async (runId) => {
-    try { renderRow(await api(`/v1/runs/${encodeURIComponent(runId)}`)); } catch (_) { /* recorded a moment later */ }
-  };
+  // A stage event comes from the stream, the row from the event store, which records it a moment
+  // later (seconds, when the recorder is busy): a row read too early is read again, with a growing
+  // pause, until it shows at least the stage the stream announced.
+  const seen = new Map(); // run id -> furthest stage the stream announced
   const pending = new Map();
-  const soon = (runId) => {
+  const refresh = async (runId, attempt) => {
+    let run = null;
+    try { run = await api(`/v1/runs/${encodeURIComponent(runId)}`); } catch (_) { /* not recorded yet */ }
+    if (run) renderRow(run);
+    const behind = !run || (STAGE_RANK[run.stage] ?? 0) < (STAGE_RANK[seen.get(runId)] ?? 0);
+    if (behind && attempt < 40) soon(runId, attempt + 1);
+  };
+  const soon = (runId, attempt = 0) => {
     clearTimeout(pending.get(runId));
-    pending.set(runId, setTimeout(() => refresh(runId), 150));
+    pending.set(runId, setTimeout(() => refresh(runId, attempt), Math.min(2000, 150 * 1.5 ** attempt)));
+  };
+  const announced = (stage) => (e) => {
+    if ((STAGE_RANK[stage] ?? 0) > (STAGE_RANK[seen.get(e.run_id)] ?? 0)) seen.set(e.run_id, stage);
+    soon(e.run_id);
   };
   follow(`/v1/batches/${id}/events`, {
-    "case.requested": (e) => soon(e.run_id),
-    "case.executed": (e) => soon(e.run_id),
-    "case.collected": (e) => soon(e.run_id),
-    "case.judged": (e) => soon(e.run_id),
-    "case.exported": (e) => soon(e.run_id),
+    "case.requested": announced("requested"),
+    "case.executed": announced("executed"),
+    "case.collected": announced("collected"),
+    "case.judged": announced("judged"),
+    "case.exported": announced("exported"),
     "batch.finalized": async () => {
       for (const runId of rows.keys()) soon(runId);
       let view = await api(`/v1/batches/${id}`);
