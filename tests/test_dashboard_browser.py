@@ -150,6 +150,15 @@ async def test_a_batch_and_a_running_run_watched_live_in_the_browser(
     await wait_path(gates / "ready", timeout_s=60)
     await expect(page.locator('tr[data-case="held"]')).to_have_attribute("data-verdict", "")
     await shot(page, "02-batch-running")
+    # the batches page counts each run once per stage (the stream it follows replays the batch
+    # from its first event, on top of the counts it read from the store)
+    await page.goto(f"{p.stack.gateway_url}/#/batches")
+    running = page.locator(f'tr[data-batch="{batch_id}"]')
+    heard = running.locator("td[data-events]")
+    await expect(heard).to_have_attribute("data-events", "9", timeout=30_000)  # c1, c2: 4 stages; held: 1
+    await expect(running.locator('[data-count="requested"]')).to_have_text("3/3", timeout=30_000)
+    await expect(running.locator('[data-count="exported"]')).to_have_text("2/3", timeout=30_000)
+    await page.goto(f"{p.stack.gateway_url}/#/batch/{batch_id}")
 
     await page.locator('tr[data-case="held"] a').click()
     await expect(page.get_by_test_id("log")).to_contain_text("held: searching the archive", timeout=30_000)

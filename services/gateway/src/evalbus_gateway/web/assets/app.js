@@ -196,12 +196,15 @@ async function batchesView() {
       el("td", {}, batch.suite_id || "–"), status, cell,
       el("td", {}, batch.submitted_by || "–"), el("td", {}, when(batch.created_at))));
     if (!batch.finalized_at) {
-      const counts = { ...batch.counts };
+      // the stream replays the batch from its first event: count its runs per stage from it (the
+      // store's counts, read a moment ago, stand until the replay passes them)
+      const runs = Object.fromEntries(STAGES.map((stage) => [stage, new Set()]));
       follow(`/v1/batches/${encodeURIComponent(batch.batch_id)}/events`, Object.fromEntries([
-        ...["case.requested", "case.executed", "case.judged", "case.exported"].map((type) => [type, () => {
-          const stage = type.split(".")[1];
-          counts[stage] = (counts[stage] || 0) + 1;
+        ...STAGES.map((stage) => [`case.${stage}`, (event) => {
+          runs[stage].add(event.run_id);
+          const counts = Object.fromEntries(STAGES.map((s) => [s, Math.max(batch.counts?.[s] || 0, runs[s].size)]));
           cell.replaceChildren(progress(counts, batch.total_runs));
+          cell.dataset.events = String(Number(cell.dataset.events || 0) + 1); // stage events heard (for tests)
         }]),
         ["batch.finalized", (event) => status.replaceChildren(badge(event.status))],
       ]));
