@@ -7,7 +7,11 @@ and before its ack; the dispatcher also after its fan-out), which writes its fig
 report when `EVALBUS_RELIABILITY_REPORT` names one; nats-server SIGKILLed mid-batch and restarted
 (`tests/test_pipeline_nats_restart.py`, same report); PostgreSQL refusing connections for 10 s
 mid-batch (`tests/test_pipeline_outages.py`, its stall from the database's return to every
-consumer idle); the online collector's crash tests
+consumer idle); the case workdirs' disk full (`tests/test_pipeline_disk_full.py`: a harness fills the
+dispatcher's small tmpfs workdir root and holds it, a case beside it and a batch submitted meanwhile
+fail `disk_full`, the dispatcher keeps running, and once the hog lets go its release gives the
+space back and the next batch succeeds; its stall from the let-go to that batch done and every
+consumer idle; it needs root to mount the tmpfs); the online collector's crash tests
 (`tests/test_online_pipeline.py`, spans and sampling stages); and the poison flood
 (`bench/poison.py`: 1,000 malformed messages on every consumed subject while a batch runs, every
 one dead-lettered by every consumer of its subject, the makespan within 1.10 x a clean run's),
@@ -41,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ONLINE_CRASH = "tests/test_online_pipeline.py::test_collector_killed_mid_stream_loses_and_doubles_nothing"
 NATS_RESTART = "tests/test_pipeline_nats_restart.py"
 DATABASE_OUTAGE = "tests/test_pipeline_outages.py::test_a_database_outage_mid_batch_loses_and_doubles_nothing"
+DISK_FULL = "tests/test_pipeline_disk_full.py"
 
 
 def run_pytest(target: str, env: dict[str, str]) -> tuple[int, float, str]:
@@ -117,8 +122,12 @@ def main() -> int:
         db_path = Path(tmp) / "database.json"
         db_code, db_s, db_tail = run_pytest(DATABASE_OUTAGE, {**env, "EVALBUS_RELIABILITY_REPORT": str(db_path)})
         db_rows: list[dict[str, Any]] = json.loads(db_path.read_text()) if db_path.exists() else []
+        disk_path = Path(tmp) / "disk.json"
+        disk_code, disk_s, disk_tail = run_pytest(DISK_FULL, {**env, "EVALBUS_RELIABILITY_REPORT": str(disk_path)})
+        disk_rows: list[dict[str, Any]] = json.loads(disk_path.read_text()) if disk_path.exists() else []
     rows += nats_rows or [{"test": "SIGKILL nats-server (single node)", "error": nats_tail or f"exit {nats_code}"}]
     rows += db_rows or [{"test": "PostgreSQL unavailable mid-batch", "error": db_tail or f"exit {db_code}"}]
+    rows += disk_rows or [{"test": "case workdirs' disk full", "error": disk_tail or f"exit {disk_code}"}]
     online_code, online_s, online_tail = run_pytest(ONLINE_CRASH, dict(os.environ))
     rows.append(
         {
@@ -145,7 +154,13 @@ def main() -> int:
         "benchmark": "reliability",
         "rows": rows,
         "max_stall_s": max(stalls) if stalls else None,
-        "seconds": {"crash_module": crash_s, "nats_restart": nats_s, "database_outage": db_s, "online_crash": online_s},
+        "seconds": {
+            "crash_module": crash_s,
+            "nats_restart": nats_s,
+            "database_outage": db_s,
+            "disk_full": disk_s,
+            "online_crash": online_s,
+        },
         "goals": goals,
         "ok": all(g.passed for g in goals),
     }

@@ -8,6 +8,11 @@ The input is a JSON object telling the agent what to do, in this order (every ke
 - `wait_judged` (+ `wait_timeout_s`): block until case `wait_judged` of the same batch is judged,
   polling the gateway's `GET /v1/runs/evb-<batch>-<case>` (URL in `PIPELINE_GATEWAY_URL`, bearer
   token in `PIPELINE_GATEWAY_TOKEN`), else exit 4;
+- `fill`: `{"path", "then_touch", "hold_until", "max_bytes"}` — write zeros to `path` until its
+  disk is full (at most `max_bytes`, default 256 MiB), print the write error (`No space left on
+  device`) to stderr, create `then_touch` (so a test sees the disk full), block until `hold_until`
+  exists (keeping the disk full meanwhile: whatever space comes back is written over again;
+  `wait_timeout_s` applies), and in the end exit 5, as an agent whose write failed would;
 - `write`: files (name → content) to write in the working directory (for sandbox graders);
 - `tool_calls`: that many tool calls (and results) as trace events;
 - `llm_cost`: one LLM call of that cost (USD) as a trace event;
@@ -32,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 POLL_S = 0.02
+FILL_CHUNK = 256 * 1024
 
 
 def emit(event: dict[str, Any]) -> None:
@@ -47,6 +53,19 @@ def wait_for(ready: Callable[[], bool], timeout_s: float) -> bool:
             return False
         time.sleep(POLL_S)
     return True
+
+
+def fill(path: str, max_bytes: int, mode: str = "wb") -> str | None:
+    """Write zeros to `path` until a write fails (its error) or `max_bytes` are written (None)."""
+    chunk = bytes(FILL_CHUNK)
+    written = 0
+    try:
+        with open(path, mode, buffering=0) as f:
+            while written < max_bytes:
+                written += f.write(chunk) or 0
+    except OSError as e:
+        return str(e)
+    return None
 
 
 def judged(case_id: str) -> bool:
@@ -85,6 +104,21 @@ def main() -> int:
     if "wait_judged" in task and not wait_for(lambda: judged(task["wait_judged"]), timeout_s):
         print(f"gave up waiting for case {task['wait_judged']} to be judged", file=sys.stderr)
         return 4
+    fill_error: str | None = None
+    if "fill" in task:
+        spec = task["fill"]
+        fill_error = fill(spec["path"], int(spec.get("max_bytes", 256 * 1024 * 1024)))
+        print(f"fill {spec['path']}: {fill_error or 'never full'}", file=sys.stderr, flush=True)
+        if "then_touch" in spec:
+            Path(spec["then_touch"]).touch()
+
+        def held() -> bool:
+            fill(spec["path"], FILL_CHUNK, "ab")  # take back any space freed meanwhile
+            return Path(spec["hold_until"]).exists()
+
+        if "hold_until" in spec and not wait_for(held, timeout_s):
+            print(f"gave up waiting for {spec['hold_until']}", file=sys.stderr)
+            return 3
     for name, content in task.get("write", {}).items():
         Path(name).write_text(content)
     for i in range(int(task.get("tool_calls", 0))):
@@ -99,7 +133,7 @@ def main() -> int:
         time.sleep(float(task["sleep_s"]))
     if "answer" in task:
         print("EVALBUS_RESULT " + json.dumps({"answer": task["answer"]}), flush=True)
-    return int(task.get("exit", 0))
+    return 5 if fill_error is not None else int(task.get("exit", 0))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,11 @@ together with what generators rarely produce: deep JSON nesting, huge numbers, d
 broken escapes, non-UTF-8 bytes in headers, and the HTTP parser's own refusals. Each case here
 was a 500 once, fixed in the gateway, and stays as a regression test.
 
+Stateful sequences follow the document's OpenAPI links (schemathesis' state machine): a batch
+submitted → read → its runs read → cancelled; online suites applied → listed → read → deleted → read
+again; a dataset uploaded → a batch naming it — each step's values from the responses before it,
+with the same two checks on every response, a bounded number of scenarios from a fixed seed.
+
 The gateway runs in a thread of its own (its own event loop), because schemathesis drives its
 requests synchronously; it talks to a real nats-server and a real PostgreSQL database.
 """
@@ -18,15 +23,18 @@ requests synchronously; it talks to a real nats-server and a real PostgreSQL dat
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import hypothesis
 import msgspec
 import pytest
 import requests
@@ -35,7 +43,7 @@ from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
 from evalbus.infra.postgres import create_database, drop_database
-from evalbus_contracts import to_builtins
+from evalbus_contracts import BatchSpec, to_builtins
 from evalbus_gateway.api.models import ErrorBody
 from evalbus_gateway.api.openapi import build_openapi
 from evalbus_gateway.api.routes import ROUTES
@@ -160,7 +168,9 @@ def error_body_names_the_field(ctx: schemathesis.CheckContext, response: schemat
     return True
 
 
-def _config() -> schemathesis.Config:
+def _config(*, stateful: bool = False) -> schemathesis.Config:
+    """The generation settings; the stateful phase only for the state machine (the parametrized
+    tests call one operation each)."""
     return schemathesis.Config.from_dict(
         {
             "seed": SEED,
@@ -171,7 +181,8 @@ def _config() -> schemathesis.Config:
                 "with-security-parameters": False,
                 "database": "none",
             },
-            "phases": {"stateful": {"enabled": False}},
+            # the stateful phase follows the document's own links only (no inferred ones)
+            "phases": {"stateful": {"enabled": stateful, "inference": {"algorithms": []}}},
             "suppress-health-check": ["too_slow", "filter_too_much", "data_too_large"],
         }
     )
@@ -192,6 +203,189 @@ schema = schemathesis.openapi.from_dict(DOCUMENT, config=_config()).exclude(oper
 CHECKS = [not_a_server_error, error_body_names_the_field]
 
 
+# ---------------------------------------------------------------- stateful: following the links
+
+STATEFUL_STEPS = 6
+"""Calls per scenario at most."""
+_BATCH, _RUNS = ("POST /v1/batches", "GET /v1/batches/{batch_id}"), "GET /v1/batches/{batch_id}/cases"
+_SUITE = ("POST /v1/online/suites", "GET /v1/online/suites/{suite_id}")
+REQUIRED_STEPS: dict[str, tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]] = {
+    "batches": (
+        (_BATCH[:1], _BATCH[1:]),  # a batch submitted, then read
+        (_BATCH, (_RUNS,)),  # its runs read
+        ((_RUNS,), ("GET /v1/runs/{run_id}", "GET /v1/runs/{run_id}/trajectory", "GET /v1/runs/{run_id}/logs")),
+        (_BATCH, ("POST /v1/batches/{batch_id}/cancel",)),  # cancelled
+        (("POST /v1/datasets",), _BATCH[:1]),  # a dataset uploaded, then a batch naming it
+    ),
+    "online suites": (
+        (_SUITE[:1], ("GET /v1/online/suites",)),  # applied, then listed
+        (_SUITE[:1], _SUITE[1:]),  # read
+        (_SUITE, ("DELETE /v1/online/suites/{suite_id}",)),  # deleted
+    ),
+}
+"""Per machine, the linked steps (any of the sources → any of the targets, both answered 2xx) its
+scenarios must take, so the stateful run cannot quietly degrade into unrelated single calls."""
+
+_IDS = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-", min_size=1, max_size=12)
+_VALID_BATCHES = st.builds(
+    lambda suite, cases, with_cases: (
+        to_builtins(
+            msgspec.structs.replace(
+                batch_spec(tuple(cases)), suite=msgspec.structs.replace(batch_spec(tuple(cases)).suite, id=suite)
+            )
+        )
+        if with_cases
+        else {"suite": {"id": suite}, "harness": to_builtins(batch_spec().harness)}
+    ),
+    _IDS,
+    st.lists(_IDS, min_size=1, max_size=3, unique=True),
+    st.booleans(),
+)
+"""Specs the gateway accepts (a suite without cases: one a dataset link completes)."""
+_SUITE_SERIAL = itertools.count()
+_VALID_ONLINE_SUITES = st.builds(
+    lambda suite, service, ratio: {
+        # a new suite each time, so what an earlier scenario deleted does not change a later one
+        "id": f"{suite}-{next(_SUITE_SERIAL)}",
+        "target": {"service": service},
+        "judges": [{"kind": "exact", "id": "exact"}],
+        "sample_ratio": ratio,
+    },
+    _IDS,
+    _IDS,
+    st.sampled_from([0.0, 0.5, 1.0]),
+)
+_VALID_DATASETS = st.lists(_IDS, min_size=1, max_size=3, unique=True).map(
+    lambda ids: b"\n".join(msgspec.json.encode({"id": i, "input": f"task {i}"}) for i in ids)
+)
+
+
+def _valid_half_the_time(valid: st.SearchStrategy[Any]) -> Any:
+    """A `flatmap_body` hook: the generated body, or one the gateway accepts — so the links out of a
+    creation are followed from real resources, not only from refusals."""
+
+    def hook(ctx: Any, body: Any) -> st.SearchStrategy[Any]:
+        return st.one_of(valid, st.just(body))  # the accepted one first: Hypothesis starts simple
+
+    return hook
+
+
+_stateful = schemathesis.openapi.from_dict(DOCUMENT, config=_config(stateful=True))
+_stateful.hook("flatmap_body").apply_to(operation_id="submitBatch")(_valid_half_the_time(_VALID_BATCHES))  # type: ignore[attr-defined]
+_stateful.hook("flatmap_body").apply_to(operation_id="applyOnlineSuite")(_valid_half_the_time(_VALID_ONLINE_SUITES))  # type: ignore[attr-defined]
+_stateful.hook("flatmap_body").apply_to(operation_id="uploadDataset")(_valid_half_the_time(_VALID_DATASETS))  # type: ignore[attr-defined]
+
+
+def _cursor_from_a_page_first(ctx: Any, query: Any) -> st.SearchStrategy[Any]:
+    """A `flatmap_query` hook: a run listing mostly without a made-up `cursor` (a real one comes
+    from a page's `next_cursor`), so its runs are read and their links followed; made-up ones still
+    come, and the parametrized tests fuzz them at length."""
+    if not isinstance(query, dict) or "cursor" not in query:
+        return st.just(query)
+    return st.one_of(st.just({k: v for k, v in query.items() if k != "cursor"}), st.just(query))
+
+
+_stateful.hook("flatmap_query").apply_to(operation_id="listBatchCases")(_cursor_from_a_page_first)  # type: ignore[attr-defined]
+MACHINES = {
+    "batches": _stateful.include(
+        operation_id=[
+            "submitBatch",
+            "getBatch",
+            "listBatchCases",
+            "cancelBatch",
+            "getRun",
+            "getRunTrajectory",
+            "getRunLogs",
+            "uploadDataset",
+        ]
+    ),
+    "online suites": _stateful.include(
+        operation_id=["applyOnlineSuite", "listOnlineSuites", "getOnlineSuite", "deleteOnlineSuite"]
+    ),
+}
+"""The linked operations of each resource family, one state machine each (so a bounded number of
+scenarios covers every family's links)."""
+
+
+def fan_out(gateway: ThreadedGateway, token: str, batch_id: str, body: Any) -> None:
+    """Stand in for the dispatcher's fan-out of an accepted batch (`case.requested` per inline case)
+    and wait until the gateway shows its runs, so the links to its runs lead somewhere."""
+    script = BatchScript(batch_id, msgspec.convert(body, BatchSpec))
+    for case in script.case_ids:
+        gateway.run(gateway.gateway.state.publisher.publish_event(script.case_requested(case)))
+    deadline = time.monotonic() + 30
+    while True:
+        cases = requests.get(f"{gateway.base_url}/v1/batches/{batch_id}/cases", headers=_auth(token), timeout=30)
+        if cases.status_code == 200 and len(cases.json()["cases"]) == len(script.case_ids):
+            return
+        assert time.monotonic() < deadline, f"runs of {batch_id} recorded"
+        time.sleep(0.02)  # polling an observable condition with a deadline
+
+
+def run_linked_scenarios(
+    gateway: ThreadedGateway, machine_name: str, token: str, scenarios: int
+) -> Counter[tuple[str, str]]:
+    """Run machine `machine_name` against the gateway with `token` for `scenarios` scenarios: no
+    response may fail a check (every failure is kept, whatever Hypothesis does next); the
+    (source, target) of every linked step answered 2xx after a 2xx source."""
+    followed: Counter[tuple[str, str]] = Counter()
+    failures: list[str] = []
+    machine = MACHINES[machine_name].as_state_machine()
+
+    class AgainstTheGateway(machine):  # type: ignore[misc,valid-type]
+        def setup(self) -> None:
+            self.answered: dict[str, tuple[str, int]] = {}
+
+        def get_call_kwargs(self, case: Any) -> dict[str, Any]:
+            return {"base_url": gateway.base_url, "headers": _auth(token), "timeout": 30}
+
+        def step(self, input: Any) -> Any:
+            output = super().step(input)
+            label = f"{input.case.method.upper()} {input.case.path}"
+            status = output.response.status_code
+            self.answered[input.case.id] = (label, status)
+            source = self.answered.get(input.transition.parent_id) if input.transition is not None else None
+            if source is not None and source[1] < 300 and status < 300:
+                followed[(source[0], label)] += 1
+            if label == "POST /v1/batches" and status == 202:
+                fan_out(gateway, token, output.response.json()["batch_id"], input.case.body)
+            return output
+
+        def validate_response(self, response: Any, case: Any, additional_checks: Any = None, **kwargs: Any) -> None:
+            try:
+                case.validate_response(response, checks=CHECKS, transport_kwargs=kwargs or None)
+            except Exception as e:
+                failures.append(f"{case.method.upper()} {case.formatted_path} -> {response.status_code}: {e}")
+                raise
+
+    AgainstTheGateway.run(
+        settings=hypothesis.settings(
+            max_examples=scenarios,
+            stateful_step_count=STATEFUL_STEPS,
+            derandomize=True,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(hypothesis.HealthCheck),
+            # generation only: the API's state changes under the scenarios (each adds batches and
+            # suites), so a scenario replayed to shrink it would not draw the same steps again
+            phases=[hypothesis.Phase.generate],
+        )
+    )
+    assert not failures, "\n".join(failures)
+    return followed
+
+
+def missing_steps(
+    machine_name: str, followed: Counter[tuple[str, str]]
+) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+    """The steps of `REQUIRED_STEPS[machine_name]` never followed."""
+    return [
+        (sources, targets)
+        for sources, targets in REQUIRED_STEPS[machine_name]
+        if not any(followed[(a, b)] for a in sources for b in targets)
+    ]
+
+
 def test_openapi_document_is_the_served_one(gateway: ThreadedGateway) -> None:
     served = requests.get(f"{gateway.base_url}/openapi.json", timeout=30).json()
     assert served == DOCUMENT
@@ -207,6 +401,23 @@ def test_generated_requests_as_admin(case: Any, gateway: ThreadedGateway, seeded
 @schema.parametrize()
 def test_generated_requests_as_member(case: Any, gateway: ThreadedGateway, seeded: dict[str, str]) -> None:
     case.call_and_validate(base_url=gateway.base_url, headers=_auth(ALICE), checks=CHECKS, timeout=30)
+
+
+@pytest.mark.parametrize(("machine", "scenarios"), [("batches", 30), ("online suites", 15)])
+def test_linked_sequences_as_admin(
+    gateway: ThreadedGateway, seeded: dict[str, str], machine: str, scenarios: int
+) -> None:
+    """Sequences along the links, as an admin (who may also apply and delete online suites): no 5xx,
+    every 4xx naming its field, and every step of `REQUIRED_STEPS` really taken."""
+    followed = run_linked_scenarios(gateway, machine, gateway.gateway.admin_token, scenarios)
+    missing = missing_steps(machine, followed)
+    assert not missing, f"never followed to a 2xx: {missing}; followed: {sorted(followed.items())}"
+
+
+def test_linked_sequences_as_member(gateway: ThreadedGateway, seeded: dict[str, str]) -> None:
+    """The batch sequences as a member (who sees only its own batches): the same two checks."""
+    followed = run_linked_scenarios(gateway, "batches", ALICE, 15)
+    assert followed[("POST /v1/batches", "GET /v1/batches/{batch_id}")], dict(followed)
 
 
 # ---------------------------------------------------------------- by hand

@@ -139,3 +139,35 @@ def test_openapi_covers_every_route_of_the_table() -> None:
                 assert "404" in operation["responses"]
     operation_ids = [op["operationId"] for item in doc["paths"].values() for op in item.values()]
     assert len(operation_ids) == len(set(operation_ids))
+
+
+def test_openapi_links_lead_to_real_operations_and_parameters() -> None:
+    """Every link names an operation of the document, and each parameter it fills is one of that
+    operation's; the batch, run, online-suite and dataset links are there."""
+    doc = build_openapi(ROUTES)
+    operations = {op["operationId"]: op for item in doc["paths"].values() for op in item.values()}
+    links = {
+        (source["operationId"], status, name): link
+        for source in operations.values()
+        for status, response in source["responses"].items()
+        for name, link in response.get("links", {}).items()
+    }
+    for (source, status, name), link in links.items():
+        target = operations[link["operationId"]]
+        known = {p["name"] for p in target.get("parameters", [])}
+        assert set(link.get("parameters", {})) <= known, (source, status, name)
+        assert all(str(v).startswith("$") for v in link.get("parameters", {}).values()), link
+    want = {
+        ("submitBatch", "202", "getBatch"),
+        ("submitBatch", "202", "listBatchCases"),
+        ("submitBatch", "202", "cancelBatch"),
+        ("listBatchCases", "200", "getRun"),
+        ("listBatchCases", "200", "nextPage"),
+        ("uploadDataset", "201", "submitBatch"),
+        ("applyOnlineSuite", "201", "getOnlineSuite"),
+        ("applyOnlineSuite", "201", "deleteOnlineSuite"),
+    }
+    assert want <= set(links), want - set(links)
+    assert links[("uploadDataset", "201", "submitBatch")]["requestBody"] == {
+        "suite": {"dataset_ref": "$response.body#/dataset_ref"}
+    }

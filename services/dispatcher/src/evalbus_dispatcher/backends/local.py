@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from evalbus_contracts import CaseRequested, PromptSnapshot, RepoSnapshot, Snapshot
-from evalbus_dispatcher.backends import orphans, procfs
+from evalbus_dispatcher.backends import disk, orphans, procfs
 from evalbus_dispatcher.backends.base import (
     Capacity,
     HarnessRun,
@@ -464,7 +465,7 @@ class LocalBackend:
             prefix = f"evalbus-{_UNSAFE.sub('_', job.run_id or 'run')[:48]}-"
             case_root = Path(tempfile.mkdtemp(prefix=prefix, dir=self._root))
         except OSError as e:
-            raise BackendError(f"cannot create a workdir: {e}", code="workdir_failed") from e
+            raise self._workdir_error("creating a workdir", e) from e
         try:
             (case_root / OWNER_FILE).write_text(self._owner)
             workdir = case_root / "work"
@@ -473,7 +474,7 @@ class LocalBackend:
             input_file.write_text(job.case.input, encoding="utf-8")
         except OSError as e:
             shutil.rmtree(case_root, ignore_errors=True)
-            raise BackendError(f"cannot prepare the workdir: {e}", code="workdir_failed") from e
+            raise self._workdir_error("preparing the workdir", e) from e
         try:
             for rel, content in files:
                 target = workdir / rel
@@ -488,7 +489,7 @@ class LocalBackend:
             ) from e
         except OSError as e:
             shutil.rmtree(case_root, ignore_errors=True)
-            raise BackendError(f"cannot write the harness files: {e}", code="workdir_failed") from e
+            raise self._workdir_error("writing the harness files", e) from e
         self._used += 1
         env = run_environment(job, base=self._base_env, input_file=input_file)
         return LocalSandbox(
@@ -508,6 +509,15 @@ class LocalBackend:
 
     def _slot_freed(self) -> None:
         self._used -= 1
+
+    def _workdir_error(self, what: str, error: OSError) -> BackendError:
+        """The failure of the backend's own write into the workdirs: `disk_full` naming the
+        filesystem when it has no room left (it comes back as workdirs are released: retryable),
+        else `workdir_failed`."""
+        if disk.is_no_space(error):
+            root = self._root or Path(tempfile.gettempdir())
+            return BackendError(disk.no_space_message(root, what, error), code=disk.DISK_FULL)
+        return BackendError(f"{what} failed: {error}", code="workdir_failed")
 
 
 class LocalSandbox:
@@ -588,7 +598,7 @@ class LocalSandbox:
         `on_spawn(pid)` is awaited once the process exists, before its output is read."""
         self._check_live()
         if self._workers is not None:
-            return await self._run_on_worker(self._workers, on_output, on_spawn)
+            return self._judged_for_disk(await self._run_on_worker(self._workers, on_output, on_spawn))
         argv = self._job.harness.command
         if not argv:
             return HarnessRun(exit_code=None, stdout="", stderr="", spawn_error="the harness command is empty")
@@ -621,7 +631,7 @@ class LocalSandbox:
                 exit_code=None, stdout="", stderr="", spawn_error=self._redact(f"cannot start {argv[0]!r}: {e}")
             )
         oom = procfs.oom_verdict(exited.signal, timed_out=exited.timed_out, before=oom_before, after=procfs.oom_kills())
-        return HarnessRun(
+        ran = HarnessRun(
             exit_code=exited.exit_code,
             stdout=exited.stdout.text(),
             stderr=exited.stderr.text(),
@@ -633,6 +643,12 @@ class LocalSandbox:
             oom=oom,
             pid=self._pgid,
         )
+        return self._judged_for_disk(ran)
+
+    def _judged_for_disk(self, ran: HarnessRun) -> HarnessRun:
+        """`ran`, failed `disk_full` when it failed on a full workdir disk (read before release)."""
+        full = disk.disk_full_failure(ran, self.workdir)
+        return ran if full is None else dataclasses.replace(ran, failure=full)
 
     async def _run_on_worker(self, workers: WorkerPool, on_output: OnOutput, on_spawn: OnSpawn | None) -> HarnessRun:
         """The case served by a warm worker (`harness.kind: worker`) in this workdir."""

@@ -46,7 +46,7 @@ from evalbus_contracts.worker_protocol import (
     ResultMessage,
     WorkerOutput,
 )
-from evalbus_dispatcher.backends import procfs
+from evalbus_dispatcher.backends import disk, procfs
 from evalbus_dispatcher.backends.base import HarnessRun, OnOutput, OnSpawn, OutputStream, RunFailure, UnitUsage
 from evalbus_dispatcher.backends.local import (
     OWNER_FILE,
@@ -404,6 +404,10 @@ class WorkerPool:
             try:
                 worker = await self._spawn(key, argv, worker_env, redact, job.harness.max_cases_per_worker)
             except OSError as e:
+                if disk.is_no_space(e):  # its home (on the workdirs' disk) could not be written
+                    message = disk.no_space_message(workdir, "starting a worker", e)
+                    full = RunFailure(code=disk.DISK_FULL, failure_class="infra", message=message, retryable=True)
+                    return HarnessRun(exit_code=None, stdout="", stderr="", failure=full)
                 return HarnessRun(
                     exit_code=None, stdout="", stderr="", spawn_error=redact(f"cannot start {argv[0]!r}: {e}")
                 )

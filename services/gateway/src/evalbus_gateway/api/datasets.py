@@ -24,7 +24,7 @@ from evalbus_contracts import DatasetIndex, ObjectRef, SuiteSpec, decode, encode
 from evalbus_contracts.streams import DATASETS
 from evalbus_gateway.api.errors import ApiError
 from evalbus_gateway.api.models import DatasetUploaded
-from evalbus_gateway.api.table import Body, Call, Route
+from evalbus_gateway.api.table import Body, Call, Link, Route
 from evalbus_gateway.api.validation import DatasetChecker
 from evalbus_runtime.objects import (
     ObjectMissingError,
@@ -141,7 +141,18 @@ ROUTES: tuple[Route, ...] = (
         "(only the uploader, or an admin, may name it).",
         request=Body("JSONL, one case per line", content_type="application/x-ndjson", schema={"type": "string"}),
         responses={
-            201: Body("Stored: the reference to name it by and what it holds", DatasetUploaded),
+            201: Body(
+                "Stored: the reference to name it by and what it holds",
+                DatasetUploaded,
+                links=(
+                    Link(
+                        "submitBatch",
+                        "submitBatch",
+                        request_body={"suite": {"dataset_ref": "$response.body#/dataset_ref"}},
+                        description="A batch naming the dataset (`suite.dataset_ref`)",
+                    ),
+                ),
+            ),
         },
     ),
 )

@@ -28,7 +28,7 @@ from evalbus_contracts.streams import CASES
 from evalbus_contracts.subjects import ONLINE_SUITE, online_suite_subject
 from evalbus_gateway.api.errors import ApiError, not_found
 from evalbus_gateway.api.models import ErrorBody
-from evalbus_gateway.api.table import Body, Call, Param, Route
+from evalbus_gateway.api.table import Body, Call, Link, Param, Route
 from evalbus_gateway.api.validation import (
     SpecProblem,
     judges_problems,
@@ -227,6 +227,14 @@ async def observation(call: Call) -> web.StreamResponse:
     return _json(ObservationAnswer(trace_id=trace_id, status="known" if fates else "unknown", fates=fates))
 
 
+def _suite_links(suite_id: str, *, delete: bool = True) -> tuple[Link, ...]:
+    """Where an online suite (its id at the runtime expression `suite_id`) leads: reading, deleting it."""
+    read = Link("getOnlineSuite", "getOnlineSuite", {"suite_id": suite_id}, description="The suite")
+    if not delete:
+        return (read,)
+    return (read, Link("deleteOnlineSuite", "deleteOnlineSuite", {"suite_id": suite_id}, description="Delete it"))
+
+
 _SUITE_ID = Param("suite_id", "path", "The online suite", {"type": "string", "minLength": 1, "maxLength": 256}, True)
 
 ROUTES: tuple[Route, ...] = (
@@ -242,7 +250,16 @@ ROUTES: tuple[Route, ...] = (
         "them. Applying an existing id replaces it. 400 names the offending field.",
         tag="online",
         request=Body("The suite", OnlineSuiteSpec),
-        responses={201: Body("Applied", OnlineSuiteView)},
+        responses={
+            201: Body(
+                "Applied",
+                OnlineSuiteView,
+                links=(
+                    *_suite_links("$response.body#/suite/id"),
+                    Link("listOnlineSuites", "listOnlineSuites", description="Every suite, this one among them"),
+                ),
+            )
+        },
     ),
     Route(
         ("GET",),
@@ -263,7 +280,10 @@ ROUTES: tuple[Route, ...] = (
         get_suite,
         tag="online",
         params=(_SUITE_ID,),
-        responses={200: Body("The suite", OnlineSuiteDetail), 404: Body("No such suite", ErrorBody)},
+        responses={
+            200: Body("The suite", OnlineSuiteDetail, links=_suite_links("$request.path.suite_id")[1:]),
+            404: Body("No such suite", ErrorBody),
+        },
     ),
     Route(
         ("DELETE",),
@@ -275,7 +295,10 @@ ROUTES: tuple[Route, ...] = (
         description="Publishes `online.suite.deleted`; observations already sampled are still judged.",
         tag="online",
         params=(_SUITE_ID,),
-        responses={200: Body("Deleted", SuiteDeleted), 404: Body("No such suite", ErrorBody)},
+        responses={
+            200: Body("Deleted", SuiteDeleted, links=_suite_links("$response.body#/suite_id", delete=False)),
+            404: Body("No such suite", ErrorBody),
+        },
     ),
     Route(
         ("GET",),

@@ -2,7 +2,8 @@
 
 Error responses follow from a route's shape: 401 on authenticated routes, 403 on admin routes,
 400 when it takes parameters or a body, 413 with a body, 404 with a path id, 503 and 500
-everywhere on `/v1`. Every schema lives under `components.schemas`.
+everywhere on `/v1`. Every schema lives under `components.schemas`. A response's `links` say which
+operations its values lead to (a submitted batch's id → reading it, its runs, cancelling it).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import msgspec
 
 from evalbus_gateway.api.models import ErrorBody
-from evalbus_gateway.api.table import Body, Route
+from evalbus_gateway.api.table import Body, Link, Route
 
 OPENAPI_VERSION = "3.1.0"
 _REF = "#/components/schemas/{name}"
@@ -42,6 +43,17 @@ def _responses(route: Route) -> dict[int, Body]:
         out.setdefault(503, _error("Starting, or the database or the bus is unavailable; retry"))
         out.setdefault(500, _error("Unexpected error (logged; no details are returned)"))
     return dict(sorted(out.items()))
+
+
+def _link(link: Link) -> dict[str, Any]:
+    out: dict[str, Any] = {"operationId": link.operation_id}
+    if link.parameters:
+        out["parameters"] = dict(link.parameters)
+    if link.request_body is not None:
+        out["requestBody"] = link.request_body
+    if link.description:
+        out["description"] = link.description
+    return out
 
 
 def _body_types(routes: Iterable[Route]) -> list[Any]:
@@ -73,6 +85,7 @@ def build_openapi(routes: Iterable[Route], *, title: str = "evalbus gateway", ve
                 str(status): {
                     "description": body.description,
                     **({"content": content(body)} if body.type or body.schema else {}),
+                    **({"links": {link.name: _link(link) for link in body.links}} if body.links else {}),
                 }
                 for status, body in _responses(route).items()
             },

@@ -48,7 +48,7 @@ from evalbus_gateway.api.placement import placement_of
 from evalbus_gateway.api.reads import finalized_on_stream, list_batches
 from evalbus_gateway.api.rejudge import ROUTE as REJUDGE_ROUTE
 from evalbus_gateway.api.sse import stream_batch_events
-from evalbus_gateway.api.table import Body, Call, Param, Route
+from evalbus_gateway.api.table import Body, Call, Link, Param, Route
 from evalbus_gateway.api.validation import (
     check_batch_spec,
     decode_cursor,
@@ -315,6 +315,25 @@ def _limit(default_doc: str) -> Param:
 
 _CURSOR = Param("cursor", "query", "`next_cursor` of the previous page", {"type": "string"})
 
+
+def _batch_links(batch_id: str) -> tuple[Link, ...]:
+    """Where a batch (its id at the runtime expression `batch_id`) leads: itself, its runs, cancelling it."""
+    return (
+        Link("getBatch", "getBatch", {"batch_id": batch_id}, description="The batch"),
+        Link("listBatchCases", "listBatchCases", {"batch_id": batch_id}, description="Its runs"),
+        Link("cancelBatch", "cancelBatch", {"batch_id": batch_id}, description="Cancel it"),
+    )
+
+
+def _run_links(run_id: str) -> tuple[Link, ...]:
+    """Where a run (its id at the runtime expression `run_id`) leads: itself, its trajectory, its logs."""
+    return (
+        Link("getRun", "getRun", {"run_id": run_id}, description="The run"),
+        Link("getRunTrajectory", "getRunTrajectory", {"run_id": run_id}, description="Its recorded events"),
+        Link("getRunLogs", "getRunLogs", {"run_id": run_id}, description="Its log tail"),
+    )
+
+
 ROUTES: tuple[Route, ...] = (
     Route(
         ("POST",),
@@ -335,7 +354,13 @@ ROUTES: tuple[Route, ...] = (
             ),
         ),
         request=Body("The batch", BatchSpec),
-        responses={202: Body("Accepted: published as `batch.requested`", BatchAccepted)},
+        responses={
+            202: Body(
+                "Accepted: published as `batch.requested`",
+                BatchAccepted,
+                links=_batch_links("$response.body#/batch_id"),
+            )
+        },
     ),
     Route(
         ("GET",),
@@ -356,7 +381,7 @@ ROUTES: tuple[Route, ...] = (
         "member",
         get_batch_route,
         params=(_BATCH_ID,),
-        responses={200: Body("The batch", BatchView)},
+        responses={200: Body("The batch", BatchView, links=_batch_links("$response.body#/batch_id")[1:])},
     ),
     Route(
         ("GET",),
@@ -371,7 +396,21 @@ ROUTES: tuple[Route, ...] = (
             _CURSOR,
             Param("stage", "query", "Only runs whose furthest stage is this one", {"enum": list(STAGES)}),
         ),
-        responses={200: Body("A page of runs, by run id", CasePage)},
+        responses={
+            200: Body(
+                "A page of runs, by run id",
+                CasePage,
+                links=(
+                    *_run_links("$response.body#/cases/0/run_id"),
+                    Link(
+                        "nextPage",
+                        "listBatchCases",
+                        {"batch_id": "$request.path.batch_id", "cursor": "$response.body#/next_cursor"},
+                        description="The next page",
+                    ),
+                ),
+            )
+        },
     ),
     Route(
         ("GET",),

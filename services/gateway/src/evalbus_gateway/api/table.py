@@ -54,6 +54,23 @@ class Param:
 
 
 @dataclass(frozen=True, slots=True)
+class Link:
+    """An OpenAPI link from a response: how its values feed another operation (`batch_id` of a
+    submitted batch → reading it), for clients and for the stateful fuzzing that follows them."""
+
+    name: str
+    """The link's name in the response."""
+    operation_id: str
+    """The operation it leads to."""
+    parameters: dict[str, str] = field(default_factory=dict)
+    """Target parameter → runtime expression (`$response.body#/batch_id`, `$request.path.batch_id`)."""
+    request_body: Any = None
+    """The target's body (or the part of it) the link fills, expressions inside (None: none)."""
+    description: str = ""
+    """What following it means."""
+
+
+@dataclass(frozen=True, slots=True)
 class Body:
     """A response (or request) body."""
 
@@ -63,6 +80,8 @@ class Body:
     content_type: str = "application/json"
     schema: dict[str, Any] | None = None
     """An explicit schema when `type` is None."""
+    links: tuple[Link, ...] = ()
+    """OpenAPI links of a response: the operations its values lead to."""
 
 
 @dataclass(frozen=True, slots=True)
