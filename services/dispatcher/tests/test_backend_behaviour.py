@@ -250,6 +250,9 @@ async def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
 @pytest.fixture
 def make(request: pytest.FixtureRequest) -> Callable[..., CaseRequested]:
     batch = "bb-" + request.node.name.replace("[", "-").replace("]", "")[-40:]
+    callspec = getattr(request.node, "callspec", None)
+    on = set(callspec.params.values()) if callspec is not None else set()
+    python = "python" if on & {"kubernetes-live", "nomad-live", "docker"} else sys.executable  # the image's own
 
     def build(code: str, **kw: Any) -> CaseRequested:
         case_id = kw.pop("case_id", "c1")
@@ -262,7 +265,7 @@ def make(request: pytest.FixtureRequest) -> Callable[..., CaseRequested]:
             ),
             harness=CommandHarness(
                 id="agent",
-                command=(sys.executable, "harness.py"),
+                command=(python, "harness.py"),
                 files={"harness.py": code},
                 secret_env=kw.pop("secret_env", {}),
                 compute=kw.pop("compute", ComputeSpec(cpu=0.5, memory_mb=256)),

@@ -571,17 +571,20 @@ class FakeDocker:
         await response.prepare(request)
         sent = 0
         follow = _bool(request.query.get("follow"))
-        while True:
-            changed = container.changed
-            if len(container.output) > sent:
-                data = bytes(container.output[sent:])
-                sent += len(data)
-                await response.write(_only(data, wanted))
-                continue
-            if not follow or container.status != "running" or container.id not in self.containers or _gone(request):
-                break
-            await _until(changed)
-        await response.write_eof()
+        with contextlib.suppress(ConnectionResetError):  # the client stopped following
+            while True:
+                changed = container.changed
+                if len(container.output) > sent:
+                    data = bytes(container.output[sent:])
+                    sent += len(data)
+                    await response.write(_only(data, wanted))
+                    continue
+                if not follow or container.status != "running" or container.id not in self.containers:
+                    break
+                if _gone(request):
+                    break
+                await _until(changed)
+            await response.write_eof()
         return response
 
     async def _remove(self, request: web.Request) -> web.StreamResponse:
@@ -635,16 +638,17 @@ class FakeDocker:
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         await response.prepare(request)
         sent = 0
-        while until is None or time.time() < until:
-            changed = self._changed
-            for event in self.events[sent:]:
-                if wanted(event):
-                    await response.write(json.dumps(event).encode() + b"\n")
-            sent = len(self.events)
-            if until is not None or _gone(request):
-                break
-            await _until(changed)
-        await response.write_eof()
+        with contextlib.suppress(ConnectionResetError):  # the client stopped following
+            while until is None or time.time() < until:
+                changed = self._changed
+                for event in self.events[sent:]:
+                    if wanted(event):
+                        await response.write(json.dumps(event).encode() + b"\n")
+                sent = len(self.events)
+                if until is not None or _gone(request):
+                    break
+                await _until(changed)
+            await response.write_eof()
         return response
 
     # ------------------------------------------------------------ exec

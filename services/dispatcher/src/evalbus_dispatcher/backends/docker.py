@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -262,6 +263,7 @@ class DockerBackend:
         self._secrets = secrets
         self._slots = slots
         self._held: dict[int, ComputeSpec] = {}
+        self._keys = itertools.count()
 
     @property
     def engine(self) -> DockerEngine:
@@ -312,7 +314,7 @@ class DockerBackend:
         body = container_body(job, run_id, self._template, secret_env)
         name = container_name(run_id, job.attempt)
         node = str(info.get("Name") or "docker")
-        key = id(body)
+        key = next(self._keys)
         self._held[key] = compute
 
         def freed() -> None:
@@ -431,7 +433,7 @@ class DockerSandbox:
             async with asyncio.timeout(limit):
                 await self._create(image)
                 self._follower = asyncio.create_task(self._follow_events())
-                await self._say("scheduled", f"container {self.container} created on engine {self._node}")
+                await self._say("scheduled", f"container {(self.container or '')[:12]} created on engine {self._node}")
                 await self._engine.call("POST", f"/containers/{self.container}/start")
         except _PullFailed as e:
             return HarnessRun(exit_code=None, stdout="", stderr="", spawn_error=f"the container cannot start: {e}")
