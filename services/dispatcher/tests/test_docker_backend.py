@@ -26,7 +26,7 @@ from evalbus_dispatcher.backends.docker import (
     image_reference,
     read_container,
 )
-from evalbus_dispatcher.backends.docker_engine import FrameSplitter, frame, parse_host
+from evalbus_dispatcher.backends.docker_engine import DockerEngine, EngineError, FrameSplitter, frame, parse_host
 from evalbus_dispatcher.errors import BackendError
 from evalbus_runtime.secrets import SecretStore
 
@@ -140,6 +140,9 @@ async def test_a_terminal_resize_reaches_the_program_and_secrets_stay_out_of_log
             sandbox.observe(mark)
             running = asyncio.create_task(sandbox.run_harness(out))
             await eventually(lambda: "up" in lines, timeout_s=30, what="the harness to run")
+            where = await sandbox.placement()
+            assert (where.phase, where.node) == ("running", "fake-engine")
+            assert [e.reason for e in where.events][:2] == ["create", "start"]
             screen: list[bytes] = []
 
             async def seen(data: bytes) -> None:
@@ -159,6 +162,7 @@ async def test_a_terminal_resize_reaches_the_program_and_secrets_stay_out_of_log
             assert run.exit_code == 0
             assert "engine" in " ".join(marks)
             assert any("die" in m for m in marks)
+            assert (await sandbox.placement()).phase == "dead"
             await sandbox.release()
         finally:
             await backend.close()
@@ -184,3 +188,30 @@ async def test_a_secret_the_store_lacks_fails_provisioning_as_config() -> None:
             False,
         )
         assert engine.requests == []  # refused before anything reached the engine
+
+
+@pytest.mark.integration
+async def test_the_fake_engine_refuses_what_the_engine_api_does_not_document() -> None:
+    async with FakeDocker() as engine:
+        client = DockerEngine(parse_host(engine.host))
+        try:
+            engine.pulled.add(DEFAULT_IMAGE)
+            with pytest.raises(EngineError) as unknown:
+                await client.call(
+                    "POST", "/containers/create", body={"Image": DEFAULT_IMAGE, "HostConfig": {"Cpus": 1}}
+                )
+            assert unknown.value.status == 400
+            assert "Cpus" in unknown.value.message
+            made = await client.call(
+                "POST", "/containers/create", body={"Image": DEFAULT_IMAGE, "Cmd": ["sleep", "30"]}
+            )
+            await client.call("POST", f"/containers/{made['Id']}/start")
+            exec_made = await client.call("POST", f"/containers/{made['Id']}/exec", body={"Cmd": ["true"]})
+            with pytest.raises(EngineError) as no_upgrade:  # an attached start must ask to hijack the connection
+                await client.call("POST", f"/exec/{exec_made['Id']}/start", body={"Detach": False})
+            assert no_upgrade.value.status == 400
+            await client.call("DELETE", f"/containers/{made['Id']}", params={"force": "1"})
+        finally:
+            await client.close()
+        assert len(engine.violations) == 2, engine.violations
+        assert not engine.containers
