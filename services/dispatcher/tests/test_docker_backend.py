@@ -25,6 +25,7 @@ from evalbus_dispatcher.backends.docker import (
     fit_problem,
     image_reference,
     read_container,
+    read_stats,
 )
 from evalbus_dispatcher.backends.docker_engine import DockerEngine, EngineError, FrameSplitter, frame, parse_host
 from evalbus_dispatcher.errors import BackendError
@@ -101,6 +102,18 @@ def test_a_container_reads_as_a_placement() -> None:
     assert (running.phase, running.unit, running.node) == ("running", "a" * 12, "e")
     oom = read_container({"Id": "b", "State": {"Status": "exited", "OOMKilled": True, "ExitCode": 137}}, "e")
     assert (oom.phase, oom.oom, oom.exit_code, oom.reason) == ("dead", True, 137, "OOMKilled (exit 137)")
+
+
+@pytest.mark.unit
+def test_stats_read_as_the_units_usage() -> None:
+    stats = {
+        "memory_stats": {"usage": 50 << 20, "stats": {"inactive_file": 8 << 20}},
+        "cpu_stats": {"cpu_usage": {"total_usage": 1_500_000_000}},
+        "pids_stats": {"current": 3},
+    }
+    used = read_stats(stats, 42)
+    assert (used.pid, used.processes, used.rss_bytes, used.cpu_seconds) == (42, 3, 42 << 20, 1.5)
+    assert read_stats({}, 7).rss_bytes is None
 
 
 @pytest.mark.unit

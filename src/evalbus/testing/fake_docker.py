@@ -4,7 +4,7 @@ It serves, on a unix socket (and a loopback TCP port), the endpoints the dispatc
 backend uses, under version-prefixed paths (`/v1.<n>/…`) as the Engine API documents them:
 `GET /_ping`, `GET /info`, `POST /images/create` (a pull's progress stream), `POST
 /containers/create`, `GET /containers/json`, `POST /containers/{id}/start`, `…/wait`, `…/kill`,
-`GET /containers/{id}/json`, `…/logs` (the multiplexed stream framing, followed or not),
+`GET /containers/{id}/json`, `…/logs` (the multiplexed stream framing, followed or not), `…/stats`,
 `DELETE /containers/{id}`, `GET /events` (since / until / filters, streamed), `POST
 /containers/{id}/exec`, `POST /exec/{id}/start` (the hijacked connection: `101 UPGRADED`, then the
 process's stdin and output on the raw socket), `POST /exec/{id}/resize`, `GET /exec/{id}/json`.
@@ -231,6 +231,7 @@ class FakeDocker:
             ("POST", "/containers/{id}/kill", self._kill),
             ("GET", "/containers/{id}/json", self._inspect),
             ("GET", "/containers/{id}/logs", self._logs),
+            ("GET", "/containers/{id}/stats", self._stats),
             ("DELETE", "/containers/{id}", self._remove),
             ("GET", "/events", self._events),
             ("POST", "/containers/{id}/exec", self._exec_create),
@@ -586,6 +587,29 @@ class FakeDocker:
                 await _until(changed)
             await response.write_eof()
         return response
+
+    async def _stats(self, request: web.Request) -> web.StreamResponse:
+        """One `ContainerStatsResponse` (the fake serves `stream=false` only): the container's process
+        tree's resident memory as `memory_stats.usage`; CPU time is not measured (0)."""
+        if (refused := self._params(request, {"stream", "one-shot"})) is not None:
+            return refused
+        if _bool(request.query.get("stream", "1")):
+            return self._refuse(400, "the fake serves one stats read (stream=false), not a stream")
+        container = self._container(request)
+        if isinstance(container, web.Response):
+            return container
+        alive = container.status == "running" and container.process is not None
+        rss = tree_rss(container.process.pid) if alive and container.process is not None else 0
+        return web.json_response(
+            {
+                "read": _stamp(time.time()), "preread": _stamp(None), "name": f"/{container.name}",
+                "id": container.id, "pids_stats": {"current": 1 if alive else 0},
+                "memory_stats": {"usage": rss, "limit": container.host.get("Memory") or self.mem_total,
+                                 "stats": {"inactive_file": 0}},
+                "cpu_stats": {"cpu_usage": {"total_usage": 0}, "online_cpus": self.ncpu},
+                "precpu_stats": {"cpu_usage": {"total_usage": 0}},
+            }
+        )  # fmt: skip
 
     async def _remove(self, request: web.Request) -> web.StreamResponse:
         if (refused := self._params(request, {"v", "force", "link"})) is not None:

@@ -102,6 +102,8 @@ class DockerTemplate:
     """How long pulling the image and starting the container may take before the run fails."""
     gpu_driver: str = "nvidia"
     """`DeviceRequests[].Driver` when a case asks for GPUs."""
+    stats_interval_s: float = 1.0
+    """Seconds between two reads of a running container's stats (memory, CPU, processes)."""
 
 
 def image_reference(image: str) -> tuple[str, str]:
@@ -237,6 +239,22 @@ def fit_problem(compute: ComputeSpec, info: Mapping[str, Any]) -> str | None:
     if memory and compute.memory_mb * _MIB > memory:
         return f"no engine can ever fit memory={compute.memory_mb}Mi: {name} has {memory // _MIB}Mi"
     return None
+
+
+def read_stats(stats: Mapping[str, Any], pid: int | None) -> UnitUsage:
+    """`GET /containers/{id}/stats` as the unit's usage: memory less the page cache (`inactive_file`,
+    as the docker CLI reports it), CPU time, processes."""
+    memory = stats.get("memory_stats") or {}
+    used = memory.get("usage")
+    cache = (memory.get("stats") or {}).get("inactive_file") or 0
+    cpu = ((stats.get("cpu_stats") or {}).get("cpu_usage") or {}).get("total_usage")
+    pids = (stats.get("pids_stats") or {}).get("current")
+    return UnitUsage(
+        pid=pid,
+        processes=int(pids) if isinstance(pids, int) and pids > 0 else 1,
+        rss_bytes=max(0, int(used) - int(cache)) if isinstance(used, int) and used > 0 else None,
+        cpu_seconds=cpu / 1e9 if isinstance(cpu, int) and cpu > 0 else None,
+    )
 
 
 def masker(values: list[str]) -> Callable[[str], str]:
@@ -383,6 +401,8 @@ class DockerSandbox:
         self._pid: int | None = None
         self._since = time.time()
         self._sessions: set[Hijacked] = set()
+        self._stats: dict[str, Any] = {}
+        self._sampler: asyncio.Task[None] | None = None
 
     @property
     def unit(self) -> str | None:
@@ -407,10 +427,21 @@ class DockerSandbox:
         return read_container(inspect, self._node, tuple(self._events))
 
     def usage(self) -> UnitUsage | None:
-        """The harness's pid while the container runs (the engine's stats are not read)."""
+        """What the container uses while it runs: its last stats read (every `stats_interval_s`, in
+        the background: the sampler calls this from a thread) and the harness's pid."""
         if not self._running or self._pid is None:
             return None
-        return UnitUsage(pid=self._pid, processes=1, rss_bytes=None, cpu_seconds=None)
+        return read_stats(self._stats, self._pid)
+
+    async def _read_stats(self) -> None:
+        """Keep the container's stats fresh while it runs (one-shot reads: no streaming, no pre-read)."""
+        endpoint = f"/containers/{self.container}/stats"
+        while self._running:
+            with contextlib.suppress(EngineError):
+                found = await self._engine.call("GET", endpoint, params=query(stream=False, **{"one-shot": True}))
+                if isinstance(found, dict):
+                    self._stats = found
+            await asyncio.sleep(self._backend.template.stats_interval_s)
 
     async def _say(self, event: str, message: str) -> None:
         if self._mark is None:
@@ -446,6 +477,7 @@ class DockerSandbox:
             return HarnessRun(exit_code=None, stdout="", stderr="",
                               spawn_error=f"the container did not start within {limit:g}s")  # fmt: skip
         self._running = True
+        self._sampler = asyncio.create_task(self._read_stats())
         ran_from = time.monotonic()
 
         async def spawned(pid: int) -> None:
@@ -469,6 +501,7 @@ class DockerSandbox:
             with contextlib.suppress(EngineError):
                 await self._engine.call("POST", f"/containers/{self.container}/kill", params=query(signal="SIGKILL"))
         self._running = False
+        await self._stop_sampler()
         inspect: dict[str, Any] | None = None
         with contextlib.suppress(EngineError):
             inspect = await self._engine.call("GET", f"/containers/{self.container}/json")
@@ -692,11 +725,18 @@ class DockerSandbox:
             if self.container is not None:
                 await self._backend.remove(self.container)
         finally:
+            await self._stop_sampler()
             if self._follower is not None:
                 self._follower.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._follower
             self._free_slot()
+
+    async def _stop_sampler(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sampler
 
     def _check_live(self) -> None:
         if self._released:
