@@ -635,7 +635,9 @@ class DockerSandbox:
         try:
             made = await self._engine.call("POST", f"/containers/{self.container}/exec", body=config)
             exec_id = str(made["Id"])
-            session = await self._engine.hijack(f"/exec/{exec_id}/start", {"Detach": False, "Tty": tty})
+            session = await self._engine.hijack(
+                f"/exec/{exec_id}/start", {"Detach": False, "Tty": tty}, multiplexed=not tty
+            )
         except EngineError as e:
             raise BackendError(f"exec failed: {e}", code="exec_failed", retryable=False) from e
         self._sessions.add(session)

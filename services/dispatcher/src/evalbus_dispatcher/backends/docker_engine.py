@@ -206,9 +206,13 @@ class DockerEngine:
                 0, f"the Docker engine at {self.address} cannot be reached: {type(e).__name__}: {e}"
             ) from e
 
-    async def hijack(self, endpoint: str, body: dict[str, Any], *, timeout_s: float | None = None) -> Hijacked:
+    async def hijack(
+        self, endpoint: str, body: dict[str, Any], *, multiplexed: bool, timeout_s: float | None = None
+    ) -> Hijacked:
         """`POST endpoint` with `body`, asking to upgrade the connection (`Upgrade: tcp`); the raw
-        connection once the engine answered `101` (or, as older engines do, `200` with the stream)."""
+        connection once the engine answered `101` (or, as older engines do, `200` with the stream).
+        `multiplexed`: the output comes in frames (an exec without a TTY — engines before API 1.42
+        label that stream `raw-stream` too, so the caller says, not the content type)."""
         address = self.address
         try:
             async with asyncio.timeout(timeout_s or self._timeout_s):
@@ -239,8 +243,7 @@ class DockerEngine:
                 raw = await asyncio.wait_for(reader.readexactly(length), 5.0) if length else b""
             writer.close()
             raise EngineError(status, _message(raw) or status_line.strip())
-        kind = headers.get("content-type", "")
-        return Hijacked(reader=reader, writer=writer, multiplexed="multiplexed" in kind)
+        return Hijacked(reader=reader, writer=writer, multiplexed=multiplexed)
 
 
 def _message(data: bytes) -> str:
