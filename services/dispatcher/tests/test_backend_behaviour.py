@@ -565,7 +565,7 @@ async def test_settings_select_the_docker_backend_over_tcp() -> None:
             assert await backend.room(ComputeSpec(cpu=0.5, memory_mb=256)) == 8  # 4 CPUs / 0.5
         finally:
             await backend.close()
-        assert engine.requests == [("GET", "/v1.43/info")]
+        assert engine.requests == [("GET", "/_ping"), ("GET", "/v1.43/info")]
         assert engine.violations == []
     with pytest.raises(ValueError, match="DOCKER_HOST"):
         docker_backend(load_settings(DispatcherSettings, "dispatcher", {"DOCKER_HOST": "ssh://box"}), SecretStore({}))

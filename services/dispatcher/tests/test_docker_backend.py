@@ -228,3 +228,21 @@ async def test_the_fake_engine_refuses_what_the_engine_api_does_not_document() -
             await client.close()
         assert len(engine.violations) == 2, engine.violations
         assert not engine.containers
+
+
+@pytest.mark.integration
+async def test_an_older_engine_is_spoken_to_in_its_own_api_version() -> None:
+    async with FakeDocker(max_api=41) as older, FakeDocker(max_api=40) as too_old:
+        client = DockerEngine(parse_host(older.host))
+        try:
+            assert (await client.call("GET", "/info"))["Name"] == "fake-engine"
+        finally:
+            await client.close()
+        assert older.requests == [("GET", "/_ping"), ("GET", "/v1.41/info")]
+        ancient = DockerEngine(parse_host(too_old.host))
+        try:
+            with pytest.raises(EngineError, match=r"serves API 1\.40; evalbus needs 1\.41"):
+                await ancient.call("GET", "/info")
+        finally:
+            await ancient.close()
+        assert older.violations == too_old.violations == []

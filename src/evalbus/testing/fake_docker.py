@@ -191,6 +191,7 @@ class FakeDocker:
         *,
         images: Iterable[str] = (DEFAULT_IMAGE,),
         ncpu: int = 2,
+        max_api: int = 51,
         mem_total: int = 4 * 1024**3,
         labels: Iterable[str] = (),
         name: str = "fake-engine",
@@ -204,6 +205,8 @@ class FakeDocker:
         self.labels = list(labels)
         """The engine's labels (`key=value`), as `/info` reports them."""
         self.name = name
+        self.max_api = max_api
+        """The newest `1.<n>` it serves (`API-Version` of `/_ping`); a newer prefix is refused."""
         self.containers: dict[str, FakeContainer] = {}
         self.execs: dict[str, FakeExec] = {}
         self.events: list[Json] = []
@@ -241,6 +244,7 @@ class FakeDocker:
         ]
         for method, path, handler in routes:
             app.router.add_route(method, "/{version:v1\\.[0-9]+}" + path, handler)
+        app.router.add_route("GET", "/_ping", self._ping)  # the engine serves it unversioned too
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=2.0)
         await self._runner.setup()
         socket_path = self._root / "docker.sock"
@@ -266,6 +270,9 @@ class FakeDocker:
         self.requests.append((request.method, request.path))
         try:
             version = request.match_info.get("version")
+            if version is not None and int(version.split(".")[1]) > self.max_api:
+                message = f"client version {version[1:]} is too new. Maximum supported API version is 1.{self.max_api}"
+                return self._refuse(400, message)
             if version is not None and int(version.split(".")[1]) not in API_VERSIONS:
                 return self._refuse(400, f"client version {version[1:]} is not supported by the fake")
             response: web.StreamResponse = await handler(request)
@@ -372,7 +379,7 @@ class FakeDocker:
     # ------------------------------------------------------------ the engine
 
     async def _ping(self, request: web.Request) -> web.StreamResponse:
-        return web.Response(text="OK", headers={"API-Version": "1.51"})
+        return web.Response(text="OK", headers={"API-Version": f"1.{self.max_api}", "Docker-Experimental": "false"})
 
     async def _info(self, request: web.Request) -> web.StreamResponse:
         running = sum(c.status == "running" for c in self.containers.values())

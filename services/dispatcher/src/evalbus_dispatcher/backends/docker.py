@@ -302,11 +302,15 @@ class DockerBackend:
         return Capacity(total=self._slots, used=len(self._held))
 
     async def info(self) -> dict[str, Any]:
-        """`GET /info`; `BackendError` (infra, retried) when the engine cannot be reached."""
+        """`GET /info`; `BackendError` — infra, retried, when the engine cannot be reached; config
+        when it refuses (an engine whose API is older than evalbus can speak)."""
         try:
             found = await self._engine.call("GET", "/info")
         except EngineError as e:
-            raise BackendError(f"cannot read the Docker engine's info: {e}", code="orchestrator_unreachable") from e
+            if e.status == 0:
+                raise BackendError(f"cannot read the Docker engine's info: {e}", code="orchestrator_unreachable") from e
+            raise BackendError(f"the Docker engine refused: {e}", code="orchestrator_refused", failure_class="config",
+                               retryable=False) from e  # fmt: skip
         return found if isinstance(found, dict) else {}
 
     async def room(self, compute: ComputeSpec | None = None) -> int:

@@ -25,7 +25,10 @@ from urllib.parse import urlsplit
 import aiohttp
 
 API_VERSION = "1.43"
-"""Engine API version the paths are prefixed with (Docker Engine 24 and later serve it)."""
+"""Engine API version the paths are prefixed with (Docker Engine 24 and later serve it); an engine
+that serves only an older one is spoken to in its own, down to `MIN_API_VERSION`."""
+MIN_API_VERSION = "1.41"
+"""The oldest Engine API the backend can use (one-shot stats; `DeviceRequests` since 1.40)."""
 DEFAULT_HOST = "unix:///var/run/docker.sock"
 """Where the engine listens when `DOCKER_HOST` is unset."""
 STDIN, STDOUT, STDERR = 0, 1, 2
@@ -134,6 +137,8 @@ class DockerEngine:
     def __init__(self, address: EngineAddress, *, api_version: str = API_VERSION, timeout_s: float = 30.0) -> None:
         self.address = address
         self.api_version = api_version
+        """The version requests are prefixed with: the one asked for, or the engine's own when older."""
+        self._negotiated = False
         self._timeout_s = timeout_s
         self._session: aiohttp.ClientSession | None = None
 
@@ -148,6 +153,28 @@ class DockerEngine:
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._timeout_s),
             )
         return self._session
+
+    async def negotiate(self) -> str:
+        """The API version to speak: the one asked for, lowered to the engine's (`GET /_ping`'s
+        `API-Version`) when that is older; `EngineError` (status 400) when even that is older than
+        `MIN_API_VERSION`. Asked once, on the first request."""
+        if self._negotiated:
+            return self.api_version
+        try:
+            async with self._client().get("/_ping", timeout=aiohttp.ClientTimeout(total=self._timeout_s)) as ping:
+                served = ping.headers.get("API-Version", "")
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            raise EngineError(
+                0, f"the Docker engine at {self.address} cannot be reached: {type(e).__name__}: {e}"
+            ) from e
+        if served and _version(served) < _version(self.api_version):
+            if _version(served) < _version(MIN_API_VERSION):
+                raise EngineError(
+                    400, f"the Docker engine at {self.address} serves API {served}; evalbus needs {MIN_API_VERSION}+"
+                )
+            self.api_version = served
+        self._negotiated = True
+        return self.api_version
 
     def path(self, endpoint: str) -> str:
         """`endpoint` under the version prefix."""
@@ -168,6 +195,7 @@ class DockerEngine:
         timeout_s: float | None = None,
     ) -> Any:
         """One request answered with JSON (or nothing); `EngineError` on an error status."""
+        await self.negotiate()
         try:
             async with self._client().request(
                 method,
@@ -194,6 +222,7 @@ class DockerEngine:
         self, method: str, endpoint: str, *, params: dict[str, str] | None = None, body: Any = None
     ) -> AsyncIterator[aiohttp.ClientResponse]:
         """A streamed answer (logs, events, a pull's progress), no total timeout; `EngineError` on an error status."""
+        await self.negotiate()
         try:
             async with self._client().request(
                 method, self.path(endpoint), params=params, json=body, timeout=aiohttp.ClientTimeout(total=None)
@@ -214,6 +243,7 @@ class DockerEngine:
         `multiplexed`: the output comes in frames (an exec without a TTY — engines before API 1.42
         label that stream `raw-stream` too, so the caller says, not the content type)."""
         address = self.address
+        await self.negotiate()
         try:
             async with asyncio.timeout(timeout_s or self._timeout_s):
                 if address.kind == "unix":
@@ -244,6 +274,13 @@ class DockerEngine:
             writer.close()
             raise EngineError(status, _message(raw) or status_line.strip())
         return Hijacked(reader=reader, writer=writer, multiplexed=multiplexed)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.strip().split("."))
+    except ValueError:
+        return (0,)
 
 
 def _message(data: bytes) -> str:
