@@ -216,8 +216,13 @@ async def open_target(name: str, tmp_path: Path) -> AsyncIterator[Target]:
             async def docker_gone() -> bool:
                 return not engine.containers
 
+            async def containers_lost(_node: str) -> None:
+                await engine.remove_all()
+
             try:
-                yield Target("docker-fake", docker, cluster=True, docker=engine, gone=docker_gone)
+                yield Target(
+                    "docker-fake", docker, cluster=True, docker=engine, gone=docker_gone, lose_node=containers_lost
+                )
             finally:
                 await docker.close()
             assert engine.violations == [], engine.violations

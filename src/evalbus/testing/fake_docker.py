@@ -257,6 +257,15 @@ class FakeDocker:
         self.tcp_host = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
         return self
 
+    async def remove_all(self) -> None:
+        """Every container is removed under its run (someone's `docker rm -f`, an engine restarted
+        without live-restore): its processes die, nothing reports how they ended."""
+        for container in list(self.containers.values()):
+            await self._stop(container)
+            self.containers.pop(container.id, None)
+            self._event(container, "destroy")
+            container.notify()
+
     async def __aexit__(self, *_: object) -> None:
         for container in list(self.containers.values()):
             await self._stop(container)

@@ -492,16 +492,17 @@ class DockerSandbox:
         job_log = self._log = JobLog(on_output, spawned)
         deadline = deadline_s(self._job)
         timed_out = False
+        waited: Any = None
         try:
             async with asyncio.timeout(deadline):
                 await self._follow_log(job_log)
-                waited = await self._engine.call(
-                    "POST", f"/containers/{self.container}/wait", params=query(condition="not-running"),
-                    timeout_s=deadline + 30.0,
-                )  # fmt: skip
+                with contextlib.suppress(EngineError):  # 404: removed under the run (read below as gone)
+                    waited = await self._engine.call(
+                        "POST", f"/containers/{self.container}/wait", params=query(condition="not-running"),
+                        timeout_s=deadline + 30.0,
+                    )  # fmt: skip
         except TimeoutError:  # the runner itself kills the harness at its timeout: this is the backstop
             timed_out = True
-            waited = None
             with contextlib.suppress(EngineError):
                 await self._engine.call("POST", f"/containers/{self.container}/kill", params=query(signal="SIGKILL"))
         self._running = False
@@ -511,11 +512,14 @@ class DockerSandbox:
             inspect = await self._engine.call("GET", f"/containers/{self.container}/json")
         with contextlib.suppress(TimeoutError):  # the `die` (and `oom`) events, for the marks
             await asyncio.wait_for(self._died.wait(), 2.0)
-        final = read_container(inspect, self._node)
-        code = final.exit_code
-        if code is None and isinstance(waited, dict):
-            code = int(waited.get("StatusCode") or 0)
-        end = UnitEnd(exit_code=code, reason=final.reason, oom=final.oom, timed_out=timed_out)
+        if inspect is None:  # removed under the run (`docker rm -f`, an engine restarted): nothing says how it ended
+            end = UnitEnd(exit_code=None, reason="the container is gone (removed under the run)", timed_out=timed_out)
+        else:
+            final = read_container(inspect, self._node)
+            code = final.exit_code
+            if code is None and isinstance(waited, dict):
+                code = int(waited.get("StatusCode") or 0)
+            end = UnitEnd(exit_code=code, reason=final.reason, oom=final.oom, timed_out=timed_out)
         return job_log.harness_run(end, time.monotonic() - ran_from)
 
     async def _create(self, image: str) -> None:
