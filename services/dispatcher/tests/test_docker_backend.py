@@ -20,6 +20,7 @@ from evalbus_dispatcher.backends.docker import (
     RUN_LABEL,
     DockerSandbox,
     DockerTemplate,
+    StreamMask,
     connect_docker,
     container_body,
     fit_problem,
@@ -114,6 +115,16 @@ def test_stats_read_as_the_units_usage() -> None:
     used = read_stats(stats, 42)
     assert (used.pid, used.processes, used.rss_bytes, used.cpu_seconds) == (42, 3, 42 << 20, 1.5)
     assert read_stats({}, 7).rss_bytes is None
+
+
+@pytest.mark.unit
+def test_a_secret_split_across_terminal_chunks_is_still_masked() -> None:
+    mask = StreamMask([SECRET, "other"])
+    shown = mask.push(b"key=" + SECRET.encode()[:5]) + mask.push(SECRET.encode()[5:] + b"\r\n$ ") + mask.flush()
+    assert shown == b"key=[redacted]\r\n$ "
+    assert mask.push(b"ot") == b""  # could begin "other": held
+    assert mask.holding
+    assert mask.push(b"ter") == b"otter"  # it did not
 
 
 @pytest.mark.unit

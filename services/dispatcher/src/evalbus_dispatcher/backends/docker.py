@@ -84,6 +84,8 @@ MANAGED_LABEL = "dev.evalbus.managed-by"
 LIFECYCLE = frozenset({"create", "start", "oom", "die", "kill", "stop", "destroy", "pause", "unpause", "restart"})
 """Container event actions marked in the run's trace (exec events are not: they carry commands)."""
 REDACTED = "[redacted]"
+HOLD_S = 0.2
+"""Longest a terminal's output is held back to see whether it continues into a secret value."""
 _MIB = 1024 * 1024
 _SHELL = ["/bin/sh", "-c", "cd work 2>/dev/null; exec /bin/sh -i"]
 
@@ -269,6 +271,44 @@ def masker(values: list[str]) -> Callable[[str], str]:
     return mask
 
 
+class StreamMask:
+    """Secret values masked in a byte stream read in chunks (a terminal's output): the end of a chunk
+    that could begin a value is held back until the next chunk shows whether it does, or `flush`."""
+
+    def __init__(self, values: list[str]) -> None:
+        self._values = sorted({v.encode("utf-8") for v in values if v}, key=len, reverse=True)
+        self._held = b""
+
+    @property
+    def holding(self) -> bool:
+        """Bytes are held back (the caller flushes them when no more output comes)."""
+        return bool(self._held)
+
+    def push(self, chunk: bytes) -> bytes:
+        """What can be shown of `chunk` now, masked."""
+        data = self._held + chunk
+        for value in self._values:
+            data = data.replace(value, REDACTED.encode("utf-8"))
+        keep = self._partial(data)
+        self._held = data[len(data) - keep :]
+        return data[: len(data) - keep]
+
+    def flush(self) -> bytes:
+        """The bytes held back (no value followed them)."""
+        held, self._held = self._held, b""
+        return held
+
+    def _partial(self, data: bytes) -> int:
+        """Length of the longest end of `data` that begins a value."""
+        best = 0
+        for value in self._values:
+            for n in range(min(len(value) - 1, len(data)), best, -1):
+                if data.endswith(value[:n]):
+                    best = n
+                    break
+        return best
+
+
 # ---------------------------------------------------------------- the backend
 
 
@@ -392,6 +432,7 @@ class DockerSandbox:
         self._body = body
         self._node = node
         self._mask = masker(secret_values)
+        self._secret_values = list(secret_values)
         self._free_slot = free_slot
         self._mark: Mark | None = None
         self.container: str | None = None
@@ -709,10 +750,9 @@ class DockerSandbox:
     def kill_group(self, pgid: int) -> None:
         """Nothing to do: an exec's processes end with its connection."""
 
-    def mask(self, data: bytes) -> bytes:
-        """Secret values masked in a terminal's output chunk (a value split across two chunks is not)."""
-        text = data.decode("utf-8", errors="surrogateescape")
-        return self._mask(text).encode("utf-8", errors="surrogateescape")
+    def stream_mask(self) -> StreamMask:
+        """A mask of this case's secret values for a terminal's output."""
+        return StreamMask(self._secret_values)
 
     async def resize(self, exec_id: str, cols: int, rows: int) -> None:
         """`POST /exec/{id}/resize`."""
@@ -769,10 +809,24 @@ class DockerShell:
         self._reader = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
+        """The terminal's output, its secret values masked; what could begin one waits for the next
+        chunk, at most `HOLD_S` (a program does not pause in the middle of printing a value)."""
         reader = self._session.reader
+        mask = self._sandbox.stream_mask()
         with contextlib.suppress(OSError):
-            while chunk := await reader.read(64 * 1024):
-                await self._on_output(self._sandbox.mask(chunk))
+            while True:
+                try:
+                    async with asyncio.timeout(HOLD_S if mask.holding else None):
+                        chunk = await reader.read(64 * 1024)
+                except TimeoutError:
+                    await self._on_output(mask.flush())
+                    continue
+                if not chunk:
+                    break
+                if shown := mask.push(chunk):
+                    await self._on_output(shown)
+        if held := mask.flush():
+            await self._on_output(held)
 
     def _spawn(self, work: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(work)
