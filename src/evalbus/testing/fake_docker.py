@@ -19,7 +19,8 @@ Nomad and Kubernetes fakes do; `WorkingDir` is a temporary folder of the fake's)
 not in `images` cannot be pulled (`404` with the registry's `pull access denied` message, as the
 engine answers); one not pulled yet is `No such image` at create; a container whose processes
 together use more resident memory than `HostConfig.Memory` is killed (`State.OOMKilled`, exit
-137, an `oom` event before `die`); a TTY exec runs on a real pseudo-terminal, so a resize is seen
+137, an `oom` event before `die`); a container removed or killed loses all its processes at once
+(its main process is stopped first, as a PID namespace's end leaves it no moment to report); a TTY exec runs on a real pseudo-terminal, so a resize is seen
 by the program (`stty size`). Events carry real timestamps.
 """
 
@@ -32,6 +33,7 @@ import json
 import os
 import re
 import secrets
+import signal
 import struct
 import tempfile
 import termios
@@ -560,7 +562,7 @@ class FakeDocker:
         if container.status != "running" or container.process is None:
             return web.json_response({"message": f"Container {container.id} is not running"}, status=409)
         self._event(container, "kill", signal=request.query.get("signal", "SIGKILL"))
-        kill_tree(container.process.pid)
+        _kill_container(container.process.pid)
         return web.Response(status=204)
 
     async def _inspect(self, request: web.Request) -> web.StreamResponse:
@@ -650,7 +652,7 @@ class FakeDocker:
     async def _stop(self, container: FakeContainer) -> None:
         if container.process is not None and container.process.returncode is None:
             self._event(container, "kill", signal="SIGKILL")
-            kill_tree(container.process.pid)
+            _kill_container(container.process.pid)
         await asyncio.gather(*container.tasks, return_exceptions=True)
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
@@ -839,6 +841,14 @@ class FakeDocker:
                                   "privileged": False, "user": ""},
             }
         )  # fmt: skip
+
+
+def _kill_container(root: int) -> None:
+    """Kill a container's processes as the engine does (the whole of it at once): its main process is
+    stopped first, so it cannot see a child die and report before its own end."""
+    with contextlib.suppress(OSError):
+        os.kill(root, signal.SIGSTOP)
+    kill_tree(root)
 
 
 def _gone(request: web.Request) -> bool:
