@@ -16,12 +16,11 @@ from evalbus.testing.fake_docker import DEFAULT_IMAGE, FakeDocker
 from evalbus.testing.pipeline import eventually
 from evalbus_contracts import CasePlan, CaseRequested, CaseSpec, CommandHarness, ComputeSpec, TestsPassGrader
 from evalbus_contracts.runner import JOB_ENV
-from evalbus_dispatcher.backends.docker import (
+from evalbus_dispatcher.backends.docker import DockerSandbox, connect_docker
+from evalbus_dispatcher.backends.docker_container import (
     RUN_LABEL,
-    DockerSandbox,
     DockerTemplate,
     StreamMask,
-    connect_docker,
     container_body,
     fit_problem,
     image_reference,
