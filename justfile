@@ -48,6 +48,11 @@ test-backends-live-nomad addr image="evalbus/case:latest" *args:
     EVALBUS_TEST_NOMAD_ADDR={{addr}} EVALBUS_TEST_IMAGE={{image}} \
       {{run}} python -m pytest services/dispatcher/tests/test_backend_behaviour.py -k "nomad-live" {{args}}
 
+# The same suite against a real Docker engine: its address (DOCKER_HOST form), case image (runner and Python inside).
+test-backends-live-docker host="unix:///var/run/docker.sock" image="evalbus/case:latest" *args:
+    EVALBUS_TEST_DOCKER_HOST={{host}} EVALBUS_TEST_IMAGE={{image}} \
+      {{run}} python -m pytest services/dispatcher/tests/test_backend_behaviour.py -k "docker and not docker-fake" {{args}}
+
 # ruff (lint and format check) and mypy --strict.
 lint:
     {{run}} ruff check {{code}}

@@ -9,7 +9,11 @@
 - `kubernetes-live`, `nomad-live`: a real cluster, only when `EVALBUS_TEST_KUBECONFIG` names a
   kubeconfig or `EVALBUS_TEST_NOMAD_ADDR` a Nomad agent (`just test-backends-live`,
   `just test-backends-live-nomad`; the image `EVALBUS_TEST_IMAGE` must hold the runner and Python).
-- `docker`: skipped, saying why, where no Docker engine answers (and not built yet where one does).
+- `docker-fake`: against `evalbus.testing.fake_docker` — a **protocol-level** fake Docker Engine
+  API (requests checked against the documented Engine API shapes; its "containers" run their
+  command, the real runner, as local processes). Not a Docker engine.
+- `docker`: a real engine, when `EVALBUS_TEST_DOCKER_HOST` names one or `/var/run/docker.sock`
+  answers (`just test-backends-live-docker`); skipped, saying why, otherwise.
 
 Scenarios that need an orchestrator (images, memory limits, scheduling) run on the cluster
 backends only; the local backend has none of these.
@@ -19,11 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import re
-import shutil
-import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ import pytest
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
+from evalbus.testing.fake_docker import FakeDocker
 from evalbus.testing.fake_kubernetes import DEFAULT_IMAGE, FakeKubernetes
 from evalbus.testing.fake_nomad import FakeNomad
 from evalbus.testing.pipeline import eventually
@@ -50,11 +52,13 @@ from evalbus_contracts import (
 )
 from evalbus_dispatcher import LocalBackend, execute_case
 from evalbus_dispatcher.backends.base import Backend, Interactive, Observed, SandboxHandle
+from evalbus_dispatcher.backends.docker import DockerTemplate, connect_docker
+from evalbus_dispatcher.backends.docker_engine import DEFAULT_HOST, DockerEngine, EngineError, parse_host
 from evalbus_dispatcher.backends.kubernetes import JobTemplate, KubernetesBackend
 from evalbus_dispatcher.backends.nomad import NomadTemplate, connect_nomad
 from evalbus_dispatcher.execute import MarkFn
 from evalbus_dispatcher.screen import Declared
-from evalbus_dispatcher.service import DispatcherSettings, kubernetes_backend, nomad_backend
+from evalbus_dispatcher.service import DispatcherSettings, docker_backend, kubernetes_backend, nomad_backend
 from evalbus_runtime.secrets import SecretStore
 from evalbus_runtime.settings import SettingsError, load_settings
 
@@ -75,14 +79,21 @@ print("EVALBUS_RESULT {\\"answer\\": \\"went\\"}")
 """
 
 
-@functools.cache
-def _docker_reason() -> str:
-    if shutil.which("docker") is None:
-        return "no docker client on this machine"
-    done = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=20, check=False)
-    if done.returncode != 0:
-        return f"no Docker engine answers (`docker info` exit {done.returncode})"
-    return "a Docker engine answers, but the docker backend is not built yet"
+async def _docker_host() -> str:
+    """The real engine to test against; skips, saying why, when none answers."""
+    host = os.environ.get("EVALBUS_TEST_DOCKER_HOST")
+    if not host and not await asyncio.to_thread(os.path.exists, DEFAULT_HOST.removeprefix("unix://")):
+        pytest.skip("no Docker engine: set EVALBUS_TEST_DOCKER_HOST or run one on /var/run/docker.sock "
+                    "(just test-backends-live-docker)")  # fmt: skip
+    host = host or DEFAULT_HOST
+    engine = DockerEngine(parse_host(host))
+    try:
+        await engine.call("GET", "/_ping", timeout_s=5)
+    except EngineError as e:
+        pytest.skip(f"no Docker engine answers at {host}: {e}")
+    finally:
+        await engine.close()
+    return host
 
 
 @dataclass
@@ -97,6 +108,8 @@ class Target:
     """Adds a node of (name, CPU cores, memory MiB, labels) — on a fake cluster only."""
     lose_node: Callable[[str], Awaitable[None]] | None = None
     """Takes a node away with what runs on it — on a fake cluster only."""
+    docker: FakeDocker | None = None
+    """The fake engine, on `docker-fake`."""
     gone: Callable[[], Awaitable[bool]] | None = None
     """Whether nothing of the case is left on the backend."""
     handles: list[SandboxHandle] = field(default_factory=list)
@@ -192,18 +205,50 @@ async def open_target(name: str, tmp_path: Path) -> AsyncIterator[Target]:
             yield Target("kubernetes-live", backend, cluster=True)
         finally:
             await backend.close()
+    elif name == "docker-fake":
+        async with FakeDocker(ncpu=2, mem_total=2 * 1024**3, labels=["zone=a"]) as engine:
+            store = SecretStore({"EVALBUS_SECRET_API_KEY": SECRET})
+            runner = (sys.executable, "-m", "evalbus.runner")
+            docker_template = DockerTemplate(
+                image=DEFAULT_IMAGE, runner_command=runner, start_timeout_s=60.0, stats_interval_s=0.2
+            )
+            docker = connect_docker(docker_template, store, host=engine.host, slots=4)
+
+            async def docker_gone() -> bool:
+                return not engine.containers
+
+            async def containers_lost(_node: str) -> None:
+                await engine.remove_all()
+
+            try:
+                yield Target(
+                    "docker-fake", docker, cluster=True, docker=engine, gone=docker_gone, lose_node=containers_lost
+                )
+            finally:
+                await docker.close()
+            assert engine.violations == [], engine.violations
     else:
-        pytest.skip(_docker_reason())
+        host = await _docker_host()
+        store = SecretStore({"EVALBUS_SECRET_API_KEY": SECRET})
+        docker_template = DockerTemplate(image=os.environ.get("EVALBUS_TEST_IMAGE", "evalbus/case:latest"))
+        docker = connect_docker(docker_template, store, host=host, slots=4)
+        try:
+            yield Target("docker", docker, cluster=True)
+        finally:
+            await docker.close()
 
 
-@pytest.fixture(params=["local", "kubernetes", "nomad", "kubernetes-live", "nomad-live", "docker"])
+BACKENDS = ["local", "kubernetes", "nomad", "docker-fake", "kubernetes-live", "nomad-live", "docker"]
+
+
+@pytest.fixture(params=BACKENDS)
 async def target(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Target]:
     """Every backend."""
     async with open_target(request.param, tmp_path) as found:
         yield found
 
 
-@pytest.fixture(params=["kubernetes", "nomad", "kubernetes-live", "nomad-live"])
+@pytest.fixture(params=["kubernetes", "nomad", "docker-fake", "kubernetes-live", "nomad-live", "docker"])
 async def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Target]:
     """The backends with an orchestrator (images, memory limits, scheduling)."""
     async with open_target(request.param, tmp_path) as found:
@@ -213,6 +258,9 @@ async def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
 @pytest.fixture
 def make(request: pytest.FixtureRequest) -> Callable[..., CaseRequested]:
     batch = "bb-" + request.node.name.replace("[", "-").replace("]", "")[-40:]
+    callspec = getattr(request.node, "callspec", None)
+    on = set(callspec.params.values()) if callspec is not None else set()
+    python = "python" if on & {"kubernetes-live", "nomad-live", "docker"} else sys.executable  # the image's own
 
     def build(code: str, **kw: Any) -> CaseRequested:
         case_id = kw.pop("case_id", "c1")
@@ -225,7 +273,7 @@ def make(request: pytest.FixtureRequest) -> Callable[..., CaseRequested]:
             ),
             harness=CommandHarness(
                 id="agent",
-                command=(sys.executable, "harness.py"),
+                command=(python, "harness.py"),
                 files={"harness.py": code},
                 secret_env=kw.pop("secret_env", {}),
                 compute=kw.pop("compute", ComputeSpec(cpu=0.5, memory_mb=256)),
@@ -345,7 +393,7 @@ async def test_logs_while_running_then_exec_and_shell(target: Target, make: Call
     done = await run(target, make(WAIT_FOR_GO, secret_env={"API_KEY": "api-key"}), records, during=during)
     assert done.status == "succeeded", done.result.failure
     assert done.result.answer == "went"
-    if target.name in ("local", "nomad"):  # what the unit uses: procfs, the Nomad client's allocation stats
+    if target.name in ("local", "nomad", "docker-fake"):  # procfs, Nomad's allocation stats, the engine's stats
         samples = [r[1] for r in records if r[0] == "placement"]
         assert any(s.rss_bytes for s in samples), samples
     live_exec = seen["exec"]
@@ -366,6 +414,8 @@ async def test_cancel_kills_and_releases(target: Target, make: Callable[..., Cas
     if target.fake is not None:
         assert target.fake.deletions[-1][1] == "Background"
         assert target.fake.watches >= 1  # the pod is watched, not only polled
+    if target.docker is not None:
+        assert target.docker.removals[-1][1] is True  # removed with force, while it ran
 
 
 # ---------------------------------------------------------------- orchestrator scenarios
@@ -378,7 +428,7 @@ async def test_image_pull_failure_fails_fast_with_evidence(cluster: Target, make
     assert failure is not None
     assert failure.code == "spawn_failed"
     assert re.search("ErrImagePull|ImagePullBackOff|Failed to pull", failure.message), failure.message
-    evidence = "\n".join(m.message for m in failure.placement.events if m.event in ("pod", "task"))
+    evidence = "\n".join(m.message for m in failure.placement.events if m.event in ("pod", "task", "engine"))
     assert "Failed to pull" in evidence
     assert failure.placement.node is not None
     assert cluster.gone is None or await cluster.gone()  # the Job is deleted; the evidence stayed
@@ -506,3 +556,22 @@ async def test_settings_select_the_nomad_backend() -> None:
         finally:
             await backend.close()
         assert agent.violations == []
+
+
+async def test_settings_select_the_docker_backend_over_tcp() -> None:
+    async with FakeDocker(ncpu=4, mem_total=8 * 1024**3, name="engine-b") as engine:
+        environ = {"DISPATCHER_BACKEND": "docker", "DOCKER_HOST": engine.tcp_host, "DISPATCHER_DOCKER_NETWORK": "none",
+                   "DISPATCHER_SLOTS": "3"}  # fmt: skip
+        settings = load_settings(DispatcherSettings, "dispatcher", environ)
+        backend = docker_backend(settings, SecretStore({}))
+        try:
+            assert backend.engine.address.kind == "tcp"
+            assert backend.template.network == "none"
+            assert backend.capacity().total == 3
+            assert await backend.room(ComputeSpec(cpu=0.5, memory_mb=256)) == 8  # 4 CPUs / 0.5
+        finally:
+            await backend.close()
+        assert engine.requests == [("GET", "/_ping"), ("GET", "/v1.43/info")]
+        assert engine.violations == []
+    with pytest.raises(ValueError, match="DOCKER_HOST"):
+        docker_backend(load_settings(DispatcherSettings, "dispatcher", {"DOCKER_HOST": "ssh://box"}), SecretStore({}))

@@ -43,6 +43,7 @@ from evalbus_contracts.control import TERMINAL_PING_S
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import DISPATCHER_BATCHES, DISPATCHER_CASES, LIVE
 from evalbus_dispatcher.backends.base import Mark, Observed, SandboxHandle
+from evalbus_dispatcher.backends.docker import DockerBackend, DockerTemplate, connect_docker
 from evalbus_dispatcher.backends.kubernetes import JobTemplate, KubernetesBackend, connect_cluster
 from evalbus_dispatcher.backends.local import LocalBackend, sweep_orphans
 from evalbus_dispatcher.backends.nomad import NomadBackend, NomadTemplate, connect_nomad
@@ -91,8 +92,9 @@ class DispatcherSettings(ServiceSettings):
     """Seconds between two writes of the replica's status when nothing changes."""
     terminal_ping_s: float = TERMINAL_PING_S
     """Seconds between a live terminal's keep-alives (a client silent for three is gone)."""
-    backend: Literal["local", "kubernetes", "nomad"] = "local"
-    """Where cases run: this machine, a Kubernetes Job or a Nomad batch job per case attempt (docs/backends.md)."""
+    backend: Literal["local", "kubernetes", "nomad", "docker"] = "local"
+    """Where cases run: this machine, a Kubernetes Job, a Nomad batch job or a Docker container per case
+    attempt (docs/backends.md)."""
     namespace: str = "evalbus"
     """Kubernetes namespace the case Jobs are made in."""
     image: str = "evalbus/case:latest"
@@ -115,6 +117,12 @@ class DispatcherSettings(ServiceSettings):
     """Task driver of the case jobs (`docker` runs the case image)."""
     nomad_variables_prefix: str = "evalbus/secrets"
     """Nomad Variables path a harness's secret name is read under (`<prefix>/<name>`, item `value`)."""
+    docker_host: str = "unix:///var/run/docker.sock"
+    """The Docker engine (`DISPATCHER_DOCKER_HOST`, then `DOCKER_HOST`): `unix:///path` or `tcp://host:port`."""
+    docker_api_version: str = "1.43"
+    """Engine API version the requests are prefixed with (`/v1.43/…`)."""
+    docker_network: str = "bridge"
+    """Network mode of the case containers: `bridge`, `none`, `host` or a network's name."""
 
 
 class LiveBus:
@@ -336,6 +344,15 @@ def nomad_backend(settings: DispatcherSettings) -> NomadBackend:
     )
 
 
+def docker_backend(settings: DispatcherSettings, secrets: SecretStore) -> DockerBackend:
+    """The Docker backend the settings describe (secret values resolved from `secrets` at dispatch)."""
+    template = DockerTemplate(image=settings.image, network=settings.docker_network,
+                              start_timeout_s=settings.start_timeout_s)  # fmt: skip
+    return connect_docker(
+        template, secrets, host=settings.docker_host, api_version=settings.docker_api_version, slots=settings.slots
+    )
+
+
 def observed(handle: SandboxHandle, mark: Mark) -> SandboxHandle:
     """`handle`, reporting its orchestrator's placement to the run's marks when it has one."""
     if isinstance(handle, Observed):
@@ -351,11 +368,13 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         root=None if settings.workdir_root is None else Path(settings.workdir_root),
         secrets=secrets,
     )
-    cluster: KubernetesBackend | NomadBackend | None = None
+    cluster: KubernetesBackend | NomadBackend | DockerBackend | None = None
     if settings.backend == "kubernetes":
         cluster = kubernetes_backend(settings)
     elif settings.backend == "nomad":
         cluster = nomad_backend(settings)
+    elif settings.backend == "docker":
+        cluster = docker_backend(settings, secrets)
     puller = PlatformTracePuller(secrets)
     cancels = Cancellations()
     presence = Presence(
