@@ -24,6 +24,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 
 from evalbus_contracts import (
+    DEFAULT_LANE,
     BatchCancelled,
     BatchRequested,
     CaseRequested,
@@ -37,11 +38,13 @@ from evalbus_contracts import (
     TraceEvent,
     TraceRef,
     decode_event,
+    lane_consumer,
+    lane_problem,
     subjects,
 )
 from evalbus_contracts.control import TERMINAL_PING_S
 from evalbus_contracts.events import EventBase
-from evalbus_contracts.streams import DISPATCHER_BATCHES, DISPATCHER_CASES, LIVE
+from evalbus_contracts.streams import DISPATCHER_BATCHES, LIVE
 from evalbus_dispatcher.backends.base import Mark, Observed, SandboxHandle
 from evalbus_dispatcher.backends.kubernetes import JobTemplate, KubernetesBackend, connect_cluster
 from evalbus_dispatcher.backends.local import LocalBackend, sweep_orphans
@@ -115,6 +118,28 @@ class DispatcherSettings(ServiceSettings):
     """Task driver of the case jobs (`docker` runs the case image)."""
     nomad_variables_prefix: str = "evalbus/secrets"
     """Nomad Variables path a harness's secret name is read under (`<prefix>/<name>`, item `value`)."""
+    lanes: str = DEFAULT_LANE
+    """Lanes whose cases this replica takes, comma-separated (`DISPATCHER_LANES=gpu`,
+    `default,nomad-eu`): a consumer per lane, shared by every replica serving it; each lane served
+    gets the replica's `slots` (docs/backends.md, "Lanes")."""
+    fanout: bool | None = None
+    """Whether this replica fans batches out into cases (`dispatcher-batches`); unset: when it
+    serves the default lane, so a GPU box or a laptop joining for its own lane does only its cases."""
+
+    def __post_init__(self) -> None:
+        for lane in self.served_lanes():
+            problem = lane_problem(lane)
+            if problem is not None:
+                raise ValueError(f"DISPATCHER_LANES: {lane!r}: {problem}")
+
+    def served_lanes(self) -> tuple[str, ...]:
+        """`lanes` as a list, in order, without repeats (empty: the default lane)."""
+        names = [part.strip() for part in self.lanes.split(",") if part.strip()]
+        return tuple(dict.fromkeys(names)) or (DEFAULT_LANE,)
+
+    def fans_out(self) -> bool:
+        """Whether it reads `dispatcher-batches`."""
+        return self.fanout if self.fanout is not None else DEFAULT_LANE in self.served_lanes()
 
 
 class LiveBus:
@@ -358,8 +383,12 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         cluster = nomad_backend(settings)
     puller = PlatformTracePuller(secrets)
     cancels = Cancellations()
+    lanes = settings.served_lanes()
     presence = Presence(
-        settings.replica_id or default_replica_id(), slots=settings.slots, interval_s=settings.status_interval_s
+        settings.replica_id or default_replica_id(),
+        slots=settings.slots * len(lanes),
+        interval_s=settings.status_interval_s,
+        lanes=lanes,
     )
     controls = LiveControls(ping_s=settings.terminal_ping_s)
     screens = ScreenSessions()
@@ -427,7 +456,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
                 trace_puller=puller,
                 backoff_s=settings.retry_backoff_s * (req.attempt - 1),
                 dispatcher=presence.id,
-                queued=Queued(waited_s=waited, delivery=delivery.num_delivered),
+                queued=Queued(waited_s=waited, delivery=delivery.num_delivered, lane=req.lane),
                 sample_interval_s=settings.sample_interval_s,
                 on_sandbox=lambda handle, mark, cdp: controls.attach(
                     run_id, observed(handle, mark), mark, screen=lambda: capture(screens.session, cdp())
@@ -442,7 +471,11 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
 
     service.on_start(start)
     service.on_stop(stop)
-    service.add_stage(Stage(consumer=DISPATCHER_BATCHES, handler=on_batch, accepts=(BatchRequested,), concurrency=8))
-    service.add_stage(
-        Stage(consumer=DISPATCHER_CASES, handler=on_case, accepts=(CaseRequested,), concurrency=settings.slots)
-    )
+    if settings.fans_out():
+        service.add_stage(
+            Stage(consumer=DISPATCHER_BATCHES, handler=on_batch, accepts=(BatchRequested,), concurrency=8)
+        )
+    for lane in lanes:
+        service.add_stage(
+            Stage(consumer=lane_consumer(lane), handler=on_case, accepts=(CaseRequested,), concurrency=settings.slots)
+        )

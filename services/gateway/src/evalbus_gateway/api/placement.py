@@ -48,9 +48,12 @@ async def _requested(js: JetStreamContext, run: LiveRun) -> Requested | None:
     if stored is None:
         return None
     req = stored.request
-    ahead = await requests_ahead(js, stored.seq)
+    ahead = await requests_ahead(js, stored.seq, req.lane)
     return Requested(
-        attempt=req.attempt, asked=Asked(timeout_s=req.case.timeout_s or req.harness.timeout_s), ahead=ahead
+        attempt=req.attempt,
+        asked=Asked(timeout_s=req.case.timeout_s or req.harness.timeout_s),
+        ahead=ahead,
+        lane=req.lane,
     )
 
 
@@ -90,8 +93,9 @@ ROUTES: tuple[Route, ...] = (
         "member",
         run_placement,
         tag="runs",
-        description="`phase` with the `reason` while queued or blocked (how many requests are ahead of it, how busy "
-        "the dispatchers' slots are, a retry's backoff, no dispatcher running) or dead (released, settled, lost with "
+        description="`phase` with the `reason` while queued or blocked (how many requests are ahead of it in its "
+        "lane, how busy the lane's dispatchers' slots are, a retry's backoff, no dispatcher running, no dispatcher "
+        "serving its lane) or dead (released, settled, lost with "
         "its dispatcher); the dispatcher, unit and node; what it asked for and what it uses (the latest resource "
         "sample: pid, processes, resident memory, CPU seconds, age); restarts; the OOM verdict; and every infra mark "
         "(the backend's event feed). Read from the LIVE stream, the `dispatchers` bucket and the dispatchers' queue, "
