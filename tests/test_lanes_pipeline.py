@@ -5,7 +5,7 @@ serves only lane `gpu` (`DISPATCHER_LANES=gpu`) beside the default one.
   case only on its lane's dispatcher (the `accepted` mark names the replica), every stage once.
 - A batch for lane `nobody` waits visibly: its runs' placement is `blocked` with "no dispatcher
   serves lane nobody"; once a dispatcher serving `nobody` starts, it runs to the end and the wait
-  is sealed as a `waiting` mark naming the lane.
+  is sealed as a `waiting` mark naming the lane. The batch's view lists the lane while it waits.
 - A lane that is not a lane name is refused with a 400 naming the field.
 """
 
@@ -78,6 +78,7 @@ async def test_a_batch_mixing_lanes_runs_each_case_on_its_lanes_dispatcher(pipel
     p = pipeline
     cases = (case("c1"), case("c2"), case("g1", "gpu"), case("g2", "gpu"))
     batch = await p.submit(spec("lanes-mixed", cases))
+    assert (await p.gw.get(batch)).waiting == ()  # both lanes are served
     view = await p.finalized(batch)
     assert view.status == "succeeded", p.diagnostics()
     assert view.summary is not None
@@ -111,10 +112,13 @@ async def test_a_lane_nobody_serves_waits_visibly_then_runs_when_one_starts(pipe
     assert behind.queue.ahead == 1
     view = await p.gw.get(batch)
     assert view.status in ("queued", "running")
+    assert [w.lane for w in view.waiting] == ["nobody"]  # the batch's view says it too
+    assert view.waiting[0].reason.startswith("no dispatcher serves lane nobody: ")
 
     await p.start("dispatcher@nobody", DISPATCHER_LANES="nobody", DISPATCHER_REPLICA_ID="d-nobody")
     view = await p.finalized(batch)
     assert view.status == "succeeded", p.diagnostics()
+    assert view.waiting == ()
     placement = await p.gw.placement(run)
     assert accepted_by(placement) == ["accepted by dispatcher d-nobody"]
     waits = [m.message for m in placement.events if m.event == "waiting"]

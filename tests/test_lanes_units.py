@@ -33,7 +33,7 @@ from evalbus_contracts.subjects import subject_matches
 from evalbus_dispatcher.service import DispatcherSettings
 from evalbus_gateway.api.errors import ApiError
 from evalbus_gateway.api.validation import DatasetChecker, batch_spec_problems
-from evalbus_gateway.live.placement import Asked, Requested, project
+from evalbus_gateway.live.placement import Asked, Requested, lanes_waiting, project
 from evalbus_runtime import SettingsError, load_settings
 
 pytestmark = pytest.mark.unit
@@ -198,6 +198,15 @@ def test_a_run_in_a_served_lane_is_queued_counting_only_that_lanes_dispatchers()
         "the 1 running serve gpu",
     )
     assert waiting("default", [])[1] == "no dispatcher is running: the run waits for one to start"
+
+
+def test_a_batchs_lanes_that_no_dispatcher_serves() -> None:
+    alive = [status("d-1", ("default",)), status("d-old", ("gpu",), age_s=60.0)]
+    waits = lanes_waiting(["default", "gpu", "gpu", "nomad-eu"], alive, NOW)
+    assert [w.lane for w in waits] == ["gpu", "nomad-eu"]
+    assert waits[0].reason.startswith("no dispatcher serves lane gpu: ")
+    assert "(the last one, d-old, was last seen at" in waits[0].reason
+    assert lanes_waiting(["default"], alive, NOW) == ()
 
 
 def test_a_status_written_before_lanes_existed_serves_the_default_lane() -> None:

@@ -7,17 +7,28 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 from aiohttp import web
 from nats.js import JetStreamContext
 
 from evalbus_contracts import InfraMark, LivePlacement, encode, utcnow
 from evalbus_gateway.api.access import LiveRun, visible_live_run
 from evalbus_gateway.api.live import run_status
+from evalbus_gateway.api.reads import requested_on_stream
 from evalbus_gateway.api.table import Body, Call, Param, Route
 from evalbus_gateway.api.validation import path_id
 from evalbus_gateway.live.dispatchers import dispatcher_board, latest_request, requests_ahead
-from evalbus_gateway.live.placement import Asked, MarkSeen, Requested, RunPlacement, SampleSeen, project
+from evalbus_gateway.live.placement import (
+    Asked,
+    MarkSeen,
+    Requested,
+    RunPlacement,
+    SampleSeen,
+    lanes_waiting,
+    project,
+)
 from evalbus_gateway.live.reads import last_on, live_subjects, read_live
+from evalbus_gateway.store.queries import BatchView
 
 
 async def _marks(js: JetStreamContext, run_id: str) -> list[MarkSeen]:
@@ -78,6 +89,21 @@ async def run_placement(call: Call) -> web.StreamResponse:
         now=server_now or utcnow(),  # the dispatchers' freshness is judged on the server's clock
     )
     return web.Response(body=encode(view), content_type="application/json")
+
+
+async def with_lanes_waiting(js: JetStreamContext, view: BatchView) -> BatchView:
+    """`view` with the lanes of its cases no running dispatcher serves (while some case has not
+    executed): the harness's lane and the inline cases' own."""
+    if view.total_runs is not None and view.counts.executed >= view.total_runs:
+        return view
+    requested = await requested_on_stream(js, view.batch_id)
+    if requested is None or requested.rejudge_of is not None:
+        return view
+    spec = requested.spec
+    lanes = {spec.harness.lane} | {c.lane for c in spec.suite.cases if c.lane}
+    statuses, server_now = await dispatcher_board(js)
+    waiting = lanes_waiting(lanes, statuses, server_now or utcnow())
+    return msgspec.structs.replace(view, waiting=waiting) if waiting else view
 
 
 _RUN_ID = Param(

@@ -18,7 +18,7 @@ Phases, from the marks of the run's latest execution:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
@@ -28,6 +28,7 @@ from msgspec.structs import replace
 
 from evalbus_contracts import DEFAULT_LANE, DispatcherStatus, Infra, PlacementSample
 from evalbus_gateway.live.views import RunStatus
+from evalbus_gateway.store.queries import LaneWaiting
 
 Phase = Literal["queued", "blocked", "starting", "running", "dead"]
 """Where the run's sandbox is."""
@@ -145,6 +146,31 @@ def _ahead(n: int | None) -> str:
     return f"{n} ahead of it"
 
 
+def unserved(lane: str, alive: Sequence[DispatcherStatus], gone: Sequence[DispatcherStatus]) -> str:
+    """Why a run of `lane` waits when no live dispatcher serves the lane."""
+    seen = ""
+    gone_here = [s for s in gone if lane in s.lanes]
+    if gone_here:
+        last = max(gone_here, key=lambda s: s.updated_at)
+        seen = f" (the last one, {last.dispatcher}, was last seen at {last.updated_at.isoformat()})"
+    if not alive and lane == DEFAULT_LANE:
+        return f"no dispatcher is running: the run waits for one to start{seen}"
+    served = sorted({name for s in alive for name in s.lanes})
+    others = f"; the {len(alive)} running serve {', '.join(served)}" if alive else ""
+    return f"no dispatcher serves lane {lane}: the run waits for one started with DISPATCHER_LANES={lane}{seen}{others}"
+
+
+def lanes_waiting(lanes: Iterable[str], statuses: Sequence[DispatcherStatus], now: datetime) -> tuple[LaneWaiting, ...]:
+    """The lanes among `lanes` that no live dispatcher serves, each with its reason (a batch's view)."""
+    alive = fresh(statuses, now)
+    gone = [s for s in statuses if s not in alive]
+    return tuple(
+        LaneWaiting(lane=lane, reason=unserved(lane, alive, gone))
+        for lane in sorted(set(lanes))
+        if not any(lane in s.lanes for s in alive)
+    )
+
+
 def _queued(
     requested: Requested | None, alive: Sequence[DispatcherStatus], gone: Sequence[DispatcherStatus]
 ) -> tuple[Phase, str, QueueState]:
@@ -156,20 +182,7 @@ def _queued(
     queue = QueueState(ahead=ahead, lane=lane, dispatchers=len(statuses), slots=slots, used=used)
     prefix = f"attempt {requested.attempt}: " if requested is not None and requested.attempt > 1 else ""
     if not statuses:
-        seen = ""
-        gone_here = [s for s in gone if lane in s.lanes]
-        if gone_here:
-            last = max(gone_here, key=lambda s: s.updated_at)
-            seen = f" (the last one, {last.dispatcher}, was last seen at {last.updated_at.isoformat()})"
-        if alive or lane != DEFAULT_LANE:
-            served = sorted({name for s in alive for name in s.lanes})
-            others = f"; the {len(alive)} running serve {', '.join(served)}" if alive else ""
-            reason = (
-                f"{prefix}no dispatcher serves lane {lane}: the run waits for one started with "
-                f"DISPATCHER_LANES={lane}{seen}{others}"
-            )
-            return "blocked", reason, queue
-        return "blocked", f"{prefix}no dispatcher is running: the run waits for one to start{seen}", queue
+        return "blocked", prefix + unserved(lane, alive, gone), queue
     if used >= slots:
         reason = (
             f"{prefix}waiting for a compute slot: {_ahead(ahead)}; all {slots} slot(s) of "
