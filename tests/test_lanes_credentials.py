@@ -3,6 +3,7 @@ the database only), then `evalbus lane credential gpu` adds the lane's user to t
 (a reload, nothing restarted). A real dispatcher started with the environment it printed — as a
 GPU box or a laptop joining over the bus would — takes the lane's case and runs it with that user
 only (the server reports no permission violation), and leaves the default lane's case alone; the
+gateway's own user reads the lane's queue for a run's placement; the
 same user is refused by the server another lane's queue, its own consumer with a wider filter, a
 batch, a stream's definition, and other clients' inboxes. The user outlives `evalbus down` / `up`."""
 
@@ -40,6 +41,7 @@ from evalbus_contracts import (
     subjects,
 )
 from evalbus_dispatcher.service import DispatcherSettings, build_dispatcher
+from evalbus_gateway.live.dispatchers import latest_request, requests_ahead
 from evalbus_runtime import Service, ensure_topology, load_settings
 
 pytestmark = [pytest.mark.e2e]
@@ -134,6 +136,11 @@ async def test_a_lane_credential_takes_its_lanes_cases_and_nothing_else(
     passwords = json.loads(users_file.read_text())
     nats_url = json.loads((stack.dir / "endpoints.json").read_text())["nats"]
 
+    errors: list[str] = []
+
+    async def on_error(e: Exception) -> None:
+        errors.append(str(e))
+
     admin = await nats.connect(url_as(nats_url, "admin", passwords["admin"]))
     try:
         ajs = admin.jetstream()
@@ -163,10 +170,24 @@ async def test_a_lane_credential_takes_its_lanes_cases_and_nothing_else(
         done_gpu = await executed(ajs, gpu)
         assert done_gpu is not None
         assert (done_gpu.status, done_gpu.result.answer) == ("succeeded", "hello"), done_gpu.result.failure
+
+        # The gateway's own user reads a lane's queue for a run's placement.
+        waiting = request("gpu", "g2", batch)
+        ack = await ajs.publish(waiting.subject(), encode(waiting), headers={"Nats-Msg-Id": waiting.msg_id()})
+        gateway = await nats.connect(url_as(nats_url, "gateway", passwords["gateway"]), error_cb=on_error)
+        try:
+            gjs = gateway.jetstream()
+            stored = await latest_request(gjs, batch, "g2", waiting.run_id or "")
+            assert stored is not None
+            assert (stored.seq, stored.request.lane) == (ack.seq, "gpu")
+            assert await requests_ahead(gjs, ack.seq, "gpu") == 0
+            assert await requests_ahead(gjs, ack.seq, "nomad-eu") == 0  # a lane no dispatcher ever served
+        finally:
+            await gateway.close()
     finally:
         await admin.close()
     violations = [r.getMessage() for r in caplog.records if "permissions violation" in r.getMessage().lower()]
-    assert violations == []
+    assert (violations, errors) == ([], [])
 
     url, inbox = env["NATS_URL"], env["DISPATCHER_INBOX_PREFIX"]
     for action in (

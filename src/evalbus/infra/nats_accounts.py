@@ -107,8 +107,8 @@ SERVICES: tuple[ServiceUser, ...] = (
             Grant("$O.datasets.>", "uploaded datasets: chunks and meta (POST /v1/datasets, streams.DATASETS)"),
             Grant("$JS.API.STREAM.PURGE.OBJ_datasets", "the chunks of a refused or replaced upload"),
             Grant(
-                "$JS.API.CONSUMER.INFO.CASES.dispatcher-cases",
-                "a queued run's placement: requests the dispatchers' queue has not delivered yet",
+                "$JS.API.CONSUMER.INFO.CASES.*",
+                "a queued run's placement: requests its lane's queue (dispatcher-cases[-<lane>]) has not delivered yet",
             ),
         ),
     ),
