@@ -1,6 +1,6 @@
-"""A dispatcher replica's presence in the `dispatchers` bucket: its id, node, compute slots and the
-runs holding them and the lanes it serves, written every few seconds and at once when a slot is taken or freed, deleted
-when the replica stops (a replica that died ages out, and readers drop a status older than three
+"""A dispatcher replica's presence in the `dispatchers` bucket: its id, node, compute slots, the
+runs holding them and the lanes it serves, written every few seconds and at once when a slot is
+taken or freed, deleted when the replica stops (a replica that died ages out, and readers drop a status older than three
 intervals). The gateway reads the bucket to say why a queued run is not running yet."""
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Wiring of the dispatcher: fan-out of `batch.requested` (on a replica serving the default lane,
 or `DISPATCHER_FANOUT`), execution of `case.requested` of the lanes it serves (`DISPATCHER_LANES`,
-one shared consumer per lane) on the local backend with compute slots (a replica pulls only when a slot is free, and gives the slot back
-the moment the sandbox is released), live output and placement samples to the LIVE stream, the
-replica's presence (slots and the runs holding them) in the `dispatchers` bucket, cancellations
+one shared consumer per lane) on the local backend with compute slots (a replica pulls only when a
+slot is free, and gives the slot back the moment the sandbox is released), live output and placement
+samples to the LIVE stream, the replica's presence (slots, the runs holding them, its lanes) in the
+`dispatchers` bucket, cancellations
 honoured, job-mode trace collection through `evalbus_traces`, retries of retryable infrastructure
 failures."""
 

@@ -11,7 +11,7 @@ import msgspec
 from aiohttp import web
 from nats.js import JetStreamContext
 
-from evalbus_contracts import InfraMark, LivePlacement, encode, utcnow
+from evalbus_contracts import InfraMark, LivePlacement, encode, lane_problem, utcnow
 from evalbus_gateway.api.access import LiveRun, visible_live_run
 from evalbus_gateway.api.live import run_status
 from evalbus_gateway.api.reads import requested_on_stream
@@ -59,7 +59,8 @@ async def _requested(js: JetStreamContext, run: LiveRun) -> Requested | None:
     if stored is None:
         return None
     req = stored.request
-    ahead = await requests_ahead(js, stored.seq, req.lane)
+    # a request whose lane is no lane name (published around the gateway) has no queue to count
+    ahead = await requests_ahead(js, stored.seq, req.lane) if lane_problem(req.lane) is None else None
     return Requested(
         attempt=req.attempt,
         asked=Asked(timeout_s=req.case.timeout_s or req.harness.timeout_s),
