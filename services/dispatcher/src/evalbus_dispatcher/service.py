@@ -3,9 +3,8 @@ or `DISPATCHER_FANOUT`), execution of `case.requested` of the lanes it serves (`
 one shared consumer per lane) on the local backend with compute slots (a replica pulls only when a
 slot is free, and gives the slot back the moment the sandbox is released), live output and placement
 samples to the LIVE stream, the replica's presence (slots, the runs holding them, its lanes) in the
-`dispatchers` bucket, cancellations
-honoured, job-mode trace collection through `evalbus_traces`, retries of retryable infrastructure
-failures."""
+`dispatchers` bucket, cancellations honoured, job-mode trace collection through `evalbus_traces`,
+retries of retryable infrastructure failures."""
 
 from __future__ import annotations
 
