@@ -87,7 +87,8 @@ async def test_a_batch_mixing_lanes_runs_each_case_on_its_lanes_dispatcher(pipel
     want = {"c1": "d-default", "c2": "d-default", "g1": "d-gpu", "g2": "d-gpu"}
     for case_id, dispatcher in want.items():
         placement = await p.gw.placement(batch_run_id(batch, case_id))
-        assert accepted_by(placement) == [f"accepted by dispatcher {dispatcher}"], (case_id, placement.events)
+        # (a redelivery on a loaded machine would add a mark, from the same lane's dispatcher)
+        assert set(accepted_by(placement)) == {f"accepted by dispatcher {dispatcher}"}, (case_id, placement.events)
 
     await p.quiescent()
     runs = {batch_run_id(batch, c) for c in want}
@@ -120,10 +121,9 @@ async def test_a_lane_nobody_serves_waits_visibly_then_runs_when_one_starts(pipe
     assert view.status == "succeeded", p.diagnostics()
     assert view.waiting == ()
     placement = await p.gw.placement(run)
-    assert accepted_by(placement) == ["accepted by dispatcher d-nobody"]
+    assert set(accepted_by(placement)) == {"accepted by dispatcher d-nobody"}
     waits = [m.message for m in placement.events if m.event == "waiting"]
-    assert len(waits) == 1, placement.events
-    assert "in lane nobody's queue" in waits[0], waits
+    assert any("in lane nobody's queue for a dispatcher serving it" in w for w in waits), waits
 
 
 @pytest.mark.parametrize(
