@@ -2,7 +2,8 @@
 the database only), then `evalbus lane credential gpu` adds the lane's user to the running server
 (a reload, nothing restarted). A real dispatcher started with the environment it printed — as a
 GPU box or a laptop joining over the bus would — takes the lane's case and runs it with that user
-only (the server reports no permission violation), and leaves the default lane's case alone; the
+only (the server reports no permission violation), honours a cancellation, and leaves the default
+lane's case alone; the
 gateway's own user reads the lane's queue for a run's placement; the
 same user is refused by the server another lane's queue, its own consumer with a wider filter, a
 batch, a stream's definition, and other clients' inboxes. The user outlives `evalbus down` / `up`."""
@@ -30,6 +31,7 @@ from evalbus.infra.endpoints import url_as
 from evalbus.testing.pipeline import eventually
 from evalbus_contracts import (
     STREAMS,
+    BatchCancelled,
     CaseExecuted,
     CasePlan,
     CaseRequested,
@@ -126,7 +128,13 @@ async def test_a_lane_credential_takes_its_lanes_cases_and_nothing_else(
     assert "not a lane name" in refused_before.stderr
 
     env = await asyncio.to_thread(credential, stack, "gpu")
-    assert set(env) == {"NATS_URL", "DISPATCHER_LANES", "DISPATCHER_INBOX_PREFIX", "DISPATCHER_CREATE_TOPOLOGY"}
+    assert set(env) == {
+        "NATS_URL",
+        "DISPATCHER_LANES",
+        "DISPATCHER_INBOX_PREFIX",
+        "DISPATCHER_CREATE_TOPOLOGY",
+        "DISPATCHER_CANCELLATIONS",
+    }
     assert (env["DISPATCHER_LANES"], env["DISPATCHER_INBOX_PREFIX"]) == ("gpu", "_INBOX.lane-gpu")
     assert env["NATS_URL"].startswith("nats://lane-gpu:")
     assert await asyncio.to_thread(credential, stack, "gpu") == env  # asked again: the same user
@@ -156,20 +164,26 @@ async def test_a_lane_credential_takes_its_lanes_cases_and_nothing_else(
         build_dispatcher(service, settings)
         batch = f"b{uuid.uuid4().hex[:8]}"
         gpu, plain = request("gpu", "g1", batch), request("default", "c1", batch)
+        stopped = f"b{uuid.uuid4().hex[:8]}"
+        late = request("gpu", "g1", stopped)  # its batch is cancelled before it arrives
+        cancel = BatchCancelled(batch_id=stopped, reason="cancelled", by="alice")
+        await ajs.publish(cancel.subject(), encode(cancel), headers={"Nats-Msg-Id": cancel.msg_id()})
         async with running(service):
-            for req in (plain, gpu):
+            for req in (plain, gpu, late):
                 await ajs.publish(req.subject(), encode(req), headers={"Nats-Msg-Id": req.msg_id()})
 
             async def ran() -> bool:
-                return await executed(ajs, gpu) is not None
+                return await executed(ajs, gpu) is not None and await executed(ajs, late) is not None
 
-            await eventually(ran, timeout_s=60, what="the lane dispatcher to execute the gpu case")
+            await eventually(ran, timeout_s=60, what="the lane dispatcher to execute the gpu cases")
             info = await ajs.consumer_info("CASES", lane_consumer("gpu").durable)
             assert info.config.filter_subject == "case.requested.*.*.gpu"
             assert await executed(ajs, plain) is None  # the default lane's case is not its to take
-        done_gpu = await executed(ajs, gpu)
+        done_gpu, done_late = await executed(ajs, gpu), await executed(ajs, late)
         assert done_gpu is not None
         assert (done_gpu.status, done_gpu.result.answer) == ("succeeded", "hello"), done_gpu.result.failure
+        assert done_late is not None
+        assert done_late.status == "cancelled"  # read per batch: its user may not follow them all
 
         # The gateway's own user reads a lane's queue for a run's placement.
         waiting = request("gpu", "g2", batch)
@@ -192,6 +206,7 @@ async def test_a_lane_credential_takes_its_lanes_cases_and_nothing_else(
     url, inbox = env["NATS_URL"], env["DISPATCHER_INBOX_PREFIX"]
     for action in (
         "publish:$JS.API.CONSUMER.MSG.NEXT.CASES.dispatcher-cases",
+        "publish:$JS.API.CONSUMER.CREATE.CASES",  # through it a durable consumer is updated by name
         "publish:$JS.API.CONSUMER.MSG.NEXT.CASES.dispatcher-cases-nomad-eu",
         "publish:$JS.API.CONSUMER.DURABLE.CREATE.CASES.dispatcher-cases-gpu",
         "publish:$JS.API.CONSUMER.CREATE.CASES.dispatcher-cases-gpu.case.requested.>",

@@ -233,6 +233,7 @@ def test_a_lane_user_may_use_its_lanes_consumer_only() -> None:
     assert allowed(pub, f"$JS.API.CONSUMER.MSG.NEXT.CASES.{mine.durable}")
     assert allowed(pub, f"$JS.ACK.CASES.{mine.durable}.1.2.3.4.5")
     assert not allowed(pub, f"$JS.API.CONSUMER.CREATE.CASES.{mine.durable}.case.requested.>")
+    assert not allowed(pub, "$JS.API.CONSUMER.CREATE.CASES")  # it would update any durable by name
     for other in (*CONSUMERS, lane_consumer("nomad-eu")):
         assert not allowed(pub, f"$JS.API.CONSUMER.MSG.NEXT.{other.stream}.{other.durable}"), other.durable
         assert not allowed(pub, f"$JS.API.CONSUMER.DURABLE.CREATE.{other.stream}.{other.durable}"), other.durable

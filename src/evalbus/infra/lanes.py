@@ -39,13 +39,15 @@ class LaneCredential:
     """The NATS URL with the lane user's password."""
 
     def environment(self) -> dict[str, str]:
-        """The dispatcher's environment: its lane, its user, its own reply inboxes, and streams
-        taken as the stack created them (its user may not change them)."""
+        """The dispatcher's environment: its lane, its user, its own reply inboxes, streams taken
+        as the stack created them (its user may not change them), cancellations read per batch
+        (its user may create no consumer but its lane's)."""
         return {
             "NATS_URL": self.nats_url,
             "DISPATCHER_LANES": self.lane,
             "DISPATCHER_INBOX_PREFIX": nats_accounts.lane_inbox(self.lane),
             "DISPATCHER_CREATE_TOPOLOGY": "false",
+            "DISPATCHER_CANCELLATIONS": "lookup",
         }
 
 

@@ -212,14 +212,13 @@ def lane_publish_grants(lane: str) -> list[Grant]:
     why = f"consumer {durable}"
     grants = [Grant(f"$JS.API.STREAM.INFO.{stream}", "streams and buckets looked up at start") for stream in TOPOLOGY]
     grants += [
-        Grant("$JS.API.STREAM.NAMES", "stream lookup by subject (js.subscribe without a stream)"),
         Grant(f"$JS.API.CONSUMER.CREATE.CASES.{durable}.{pinned}", why + ", only with the lane's filter"),
         Grant(f"$JS.API.CONSUMER.INFO.CASES.{durable}", why),
         Grant(f"$JS.API.CONSUMER.MSG.NEXT.CASES.{durable}", why),
         Grant(f"$JS.ACK.CASES.{durable}.>", why + ": ack, nak, in_progress, term"),
-        Grant("$JS.API.CONSUMER.CREATE.CASES", "ordered consumer following batch.cancelled (unfiltered create)"),
-        Grant("$JS.FC.CASES.>", "flow control of that ordered consumer"),
-        Grant("$JS.API.STREAM.MSG.GET.CASES", "dead-lettering an exhausted message of its consumer"),
+        # No unfiltered `$JS.API.CONSUMER.CREATE.CASES`: through it a user may update any durable
+        # consumer of CASES by name (another lane's filter); it reads cancellations per batch instead.
+        Grant("$JS.API.STREAM.MSG.GET.CASES", "a batch's cancellation (DISPATCHER_CANCELLATIONS=lookup), dead letters"),
         Grant("$JS.API.STREAM.MSG.GET.LIVE", "a retried run's live log offset"),
         Grant(pinned, "retries of its lane's cases (CaseRequested)"),
         Grant("case.executed.>", "executed cases (CaseExecuted)"),

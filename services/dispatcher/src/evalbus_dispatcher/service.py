@@ -45,7 +45,7 @@ from evalbus_contracts import (
 )
 from evalbus_contracts.control import TERMINAL_PING_S
 from evalbus_contracts.events import EventBase
-from evalbus_contracts.streams import DISPATCHER_BATCHES, LIVE
+from evalbus_contracts.streams import CASES, DISPATCHER_BATCHES, LIVE
 from evalbus_dispatcher.backends.base import Mark, Observed, SandboxHandle
 from evalbus_dispatcher.backends.kubernetes import JobTemplate, KubernetesBackend, connect_cluster
 from evalbus_dispatcher.backends.local import LocalBackend, sweep_orphans
@@ -123,6 +123,10 @@ class DispatcherSettings(ServiceSettings):
     """Lanes whose cases this replica takes, comma-separated (`DISPATCHER_LANES=gpu`,
     `default,nomad-eu`): a consumer per lane, shared by every replica serving it; each lane served
     gets the replica's `slots` (docs/backends.md, "Lanes")."""
+    cancellations: Literal["follow", "lookup"] = "follow"
+    """How it learns that a batch was cancelled: `follow` every `batch.cancelled` (an ordered
+    consumer), or `lookup` the batch's when one of its cases arrives (one read per case; what a
+    lane credential allows, `evalbus lane credential`)."""
     fanout: bool | None = None
     """Whether this replica fans batches out into cases (`dispatcher-batches`); unset: when it
     serves the default lane, so a GPU box or a laptop joining for its own lane does only its cases."""
@@ -293,17 +297,42 @@ class ScreenSessions:
 
 
 class Cancellations:
-    """Which batches are cancelled or superseded, from `batch.cancelled.*` (last per batch)."""
+    """Which batches are cancelled or superseded, from `batch.cancelled.*` (last per batch): followed
+    by an ordered consumer, or (`lookup`) read per batch when one of its cases arrives — a lane
+    dispatcher's user may not create an unfiltered consumer on CASES, which could re-filter another
+    lane's durable consumer."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode: Literal["follow", "lookup"] = "follow") -> None:
+        self._mode = mode
         self._reasons: dict[str, CancelReason] = {}
         self._read = 0
 
-    def reason(self, batch_id: str | None) -> CancelReason | None:
-        return None if batch_id is None else self._reasons.get(batch_id)
+    async def reason(self, js: JetStreamContext, batch_id: str | None) -> CancelReason | None:
+        """Why the batch stopped starting cases, or None while it has not."""
+        if batch_id is None:
+            return None
+        known = self._reasons.get(batch_id)
+        if known is not None or self._mode == "follow":
+            return known
+        try:
+            raw = await js.get_last_msg(CASES.name, subjects.batch_subject(subjects.BATCH_CANCELLED, batch_id))
+        except nats.js.errors.NotFoundError:
+            return None
+        try:
+            event = decode_event(raw.data or b"")
+        except DecodeError:
+            log.warning("unreadable cancellation of %s ignored", batch_id)
+            return None
+        if isinstance(event, BatchCancelled):
+            self._reasons[batch_id] = event.reason  # a cancellation is final
+            return event.reason
+        return None
 
     async def start(self, js: JetStreamContext) -> None:
-        """Follow cancellations; return once every cancellation already stored has been read."""
+        """Follow cancellations; return once every cancellation already stored has been read (in
+        `lookup` mode: nothing to do)."""
+        if self._mode == "lookup":
+            return
         info = await js.stream_info("CASES", subjects_filter="batch.cancelled.>")
         known = len(info.state.subjects or {})
 
@@ -383,7 +412,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
     elif settings.backend == "nomad":
         cluster = nomad_backend(settings)
     puller = PlatformTracePuller(secrets)
-    cancels = Cancellations()
+    cancels = Cancellations(settings.cancellations)
     lanes = settings.served_lanes()
     presence = Presence(
         settings.replica_id or default_replica_id(),
@@ -426,7 +455,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
             run_id_of(req)
         except ValueError as e:
             raise Poison(f"case.requested without a run: {e}") from e
-        reason = cancels.reason(req.batch_id)
+        reason = await cancels.reason(service.js, req.batch_id)
         if reason is not None:
             return [cancelled_execution(req, reason)]
         live = LiveBus(service.publisher, req)
