@@ -6,6 +6,8 @@ whose lane no dispatcher serves, and the lane user's grants in the NATS account 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import msgspec
 import pytest
 
 from evalbus.infra import nats_accounts
+from evalbus.infra.nats import nats_server_binary
 from evalbus_contracts import (
     BatchSpec,
     CasePlan,
@@ -39,6 +42,7 @@ from evalbus_runtime import SettingsError, load_settings
 pytestmark = pytest.mark.unit
 
 FIXTURE = Path(__file__).parent / "fixtures" / "events" / "case.requested.v1.json"
+DEPLOY_NATS = Path(__file__).resolve().parents[1] / "deploy" / "nats"
 NOW = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC)
 
 
@@ -254,3 +258,27 @@ def test_the_account_with_lane_users_renders_them(tmp_path: Path) -> None:
     assert "{user: lane-gpu, password: $NATS_PASSWORD_LANE_GPU, permissions: $LANE_GPU_PERMISSIONS}" in text
     assert '{user: lane-nomad-eu, password: "p0123", permissions: $LANE_NOMAD_EU_PERMISSIONS}' in text
     assert nats_accounts.render() == nats_accounts.render({})
+
+
+def test_the_conf_printed_for_a_deployment_parses_with_the_lane_users_password(tmp_path: Path) -> None:
+    """What `evalbus lane credential gpu --conf` prints, put into the deployment's accounts.conf,
+    is accepted by `nats-server -t` (and the lane's password comes from the environment)."""
+    conf = nats_accounts.render({"gpu": None})
+    (tmp_path / "accounts.conf").write_text(conf, encoding="utf-8")
+    (tmp_path / "jetstream.conf").write_text((DEPLOY_NATS / "jetstream.conf").read_text(), encoding="utf-8")
+    (tmp_path / "nats.conf").write_text("include ./jetstream.conf\ninclude ./accounts.conf\n", encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NATS_")}
+    env |= {"SERVER_NAME": "lanes", "NATS_STORE_DIR": str(tmp_path / "js"), "NATS_MAX_FILE_STORE": "1G"}
+    env["NATS_PID_FILE"] = str(tmp_path / "nats.pid")
+    users = [*nats_accounts.users(), nats_accounts.lane_user("gpu")]
+    env |= {nats_accounts.password_variable(u): "p" + os.urandom(8).hex() for u in users}
+
+    def check(environ: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        argv = [nats_server_binary(), "-t", "-c", str(tmp_path / "nats.conf")]
+        return subprocess.run(argv, env=environ, capture_output=True, text=True, timeout=30, check=False)
+
+    assert check(env).returncode == 0, check(env).stderr
+    del env["NATS_PASSWORD_LANE_GPU"]
+    missing = check(env)
+    assert missing.returncode != 0
+    assert "NATS_PASSWORD_LANE_GPU" in missing.stderr
