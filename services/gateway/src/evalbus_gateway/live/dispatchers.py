@@ -94,26 +94,32 @@ def _request_of(data: bytes, run_id: str) -> CaseRequested | None:
     return event if isinstance(event, CaseRequested) and event.run_id == run_id else None
 
 
-async def _request_subject(js: JetStreamContext, batch_id: str, case_id: str) -> str:
-    """The subject the case's requests are on: the default lane's, else the one lane subject the
-    stream holds for it (a case's lane is its batch's, the same for every trial and attempt)."""
-    subject = subjects.case_subject(subjects.CASE_REQUESTED, batch_id, case_id)
+async def _lane_subject(js: JetStreamContext, batch_id: str, case_id: str) -> str | None:
+    """The lane subject the stream holds the case's requests on, if any (a case's lane is its
+    batch's, the same for every trial and attempt)."""
     info = await stream_info_raw(
         js, CASES.name, READ_TIMEOUT_S, subjects_filter=subjects.case_requested_filter(batch_id, case_id)
     )
     state = info.get("state") if info is not None else None
     laned = sorted((state.get("subjects") if isinstance(state, dict) else None) or {})
-    return laned[0] if laned else subject
+    return laned[0] if laned else None
 
 
 async def latest_request(js: JetStreamContext, batch_id: str, case_id: str, run_id: str) -> StoredRequest | None:
     """The run's latest request (its latest attempt) on the CASES stream, in whichever lane; None
-    when there is none."""
-    subject = await _request_subject(js, batch_id, case_id)
+    when there is none. The default lane's subject is read first: a request there costs one read."""
+    subject = subjects.case_subject(subjects.CASE_REQUESTED, batch_id, case_id)
     try:
         raw = await js.get_last_msg(CASES.name, subject)
     except nats.js.errors.NotFoundError:
-        return None
+        laned = await _lane_subject(js, batch_id, case_id)
+        if laned is None:
+            return None
+        subject = laned
+        try:
+            raw = await js.get_last_msg(CASES.name, subject)
+        except nats.js.errors.NotFoundError:
+            return None
     request = _request_of(raw.data or b"", run_id)
     if request is not None:
         return StoredRequest(seq=int(raw.seq or 0), request=request)
