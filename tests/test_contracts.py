@@ -26,6 +26,7 @@ from evalbus_contracts import (
     CONSUMERS,
     EVENT_TYPES,
     STREAMS,
+    CaseRequested,
     InvalidIdError,
     OnlineSuiteApplied,
     decode,
@@ -33,11 +34,13 @@ from evalbus_contracts import (
     decode_token,
     encode,
     encode_token,
+    lane_consumer,
     subjects,
     to_builtins,
 )
 from evalbus_contracts.codec import NewerSchemaError
 from evalbus_contracts.events import Event, EventBase
+from evalbus_contracts.streams import DISPATCHER_CASES
 
 pytestmark = pytest.mark.unit
 
@@ -412,9 +415,15 @@ def test_event_subject_lands_in_its_stream_and_consumers(kind: type[EventBase], 
     assert_valid_subject(subject)
     homes = [s.name for s in STREAMS if any(subject_matches(p, subject) for p in s.subjects)]
     assert homes == [EXPECTED_STREAM[event.type]], (subject, homes)
-    readers = {c.durable for c in CONSUMERS if any(subject_matches(f, subject) for f in c.filter_subjects)}
-    assert readers == EXPECTED_CONSUMERS[event.type], (subject, readers)
-    for consumer in CONSUMERS:
+    consumers = CONSUMERS
+    expected = EXPECTED_CONSUMERS[event.type]
+    if isinstance(event, CaseRequested):  # its lane's consumer takes it, whatever the lane
+        lane = lane_consumer(event.lane)
+        consumers = (*CONSUMERS, lane) if lane not in CONSUMERS else CONSUMERS
+        expected = (expected - {DISPATCHER_CASES.durable}) | {lane.durable}
+    readers = {c.durable for c in consumers if any(subject_matches(f, subject) for f in c.filter_subjects)}
+    assert readers == expected, (subject, readers)
+    for consumer in consumers:
         if consumer.durable in readers:
             assert consumer.stream == homes[0]
 

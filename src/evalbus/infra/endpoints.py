@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import msgspec
 
@@ -131,6 +131,13 @@ def url_port(url: str) -> int:
     if port is None:
         raise ValueError(f"no port in {url!r}")
     return port
+
+
+def url_as(url: str, user: str, password: str) -> str:
+    """`url` (a server's, without credentials) with `user`'s credentials."""
+    parts = urlsplit(url)
+    netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{parts.hostname}:{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def redact_url(url: str) -> str:

@@ -107,8 +107,8 @@ SERVICES: tuple[ServiceUser, ...] = (
             Grant("$O.datasets.>", "uploaded datasets: chunks and meta (POST /v1/datasets, streams.DATASETS)"),
             Grant("$JS.API.STREAM.PURGE.OBJ_datasets", "the chunks of a refused or replaced upload"),
             Grant(
-                "$JS.API.CONSUMER.INFO.CASES.dispatcher-cases",
-                "a queued run's placement: requests the dispatchers' queue has not delivered yet",
+                "$JS.API.CONSUMER.INFO.CASES.*",
+                "a queued run's placement: requests its lane's queue (dispatcher-cases[-<lane>]) has not delivered yet",
             ),
         ),
     ),
@@ -177,6 +177,95 @@ SERVICES: tuple[ServiceUser, ...] = (
 )
 
 
+# ---------------------------------------------------------------- lanes
+
+LANE_USER_PREFIX = "lane-"
+"""A lane dispatcher's user is `lane-<lane>` (`evalbus lane credential LANE`)."""
+
+
+def lane_user(lane: str) -> str:
+    """The NATS user of the dispatchers serving `lane` on machines of their own."""
+    return LANE_USER_PREFIX + lane
+
+
+def lane_inbox(lane: str) -> str:
+    """The reply prefix a lane dispatcher connects with (`DISPATCHER_INBOX_PREFIX`): its user may
+    subscribe to these inboxes only, never to the ones other clients pull messages into."""
+    return f"_INBOX.{lane_user(lane)}"
+
+
+def lane_durable(lane: str) -> str:
+    """The lane's shared consumer (`evalbus_contracts.streams.lane_consumer`)."""
+    return "dispatcher-cases" if lane == "default" else f"dispatcher-cases-{lane}"
+
+
+def lane_filter(lane: str) -> str:
+    """The lane's requests (`evalbus_contracts.subjects.lane_filter`)."""
+    return "case.requested.*.*" if lane == "default" else f"case.requested.*.*.{lane}"
+
+
+def lane_publish_grants(lane: str) -> list[Grant]:
+    """What a dispatcher serving only `lane` may publish: its lane's consumer (created with its
+    filter pinned, pulled, acknowledged), reads of the streams, and what a dispatcher produces —
+    never another lane's consumer, a stream's definition or a batch."""
+    durable, pinned = lane_durable(lane), lane_filter(lane)
+    why = f"consumer {durable}"
+    grants = [Grant(f"$JS.API.STREAM.INFO.{stream}", "streams and buckets looked up at start") for stream in TOPOLOGY]
+    grants += [
+        Grant(f"$JS.API.CONSUMER.CREATE.CASES.{durable}.{pinned}", why + ", only with the lane's filter"),
+        Grant(f"$JS.API.CONSUMER.INFO.CASES.{durable}", why),
+        Grant(f"$JS.API.CONSUMER.MSG.NEXT.CASES.{durable}", why),
+        Grant(f"$JS.ACK.CASES.{durable}.>", why + ": ack, nak, in_progress, term"),
+        # No unfiltered `$JS.API.CONSUMER.CREATE.CASES`: through it a user may update any durable
+        # consumer of CASES by name (another lane's filter); it reads cancellations per batch instead.
+        Grant("$JS.API.STREAM.MSG.GET.CASES", "a batch's cancellation (DISPATCHER_CANCELLATIONS=lookup), dead letters"),
+        Grant("$JS.API.STREAM.MSG.GET.LIVE", "a retried run's live log offset"),
+        Grant(pinned, "retries of its lane's cases (CaseRequested)"),
+        Grant("case.executed.>", "executed cases (CaseExecuted)"),
+        Grant("run.*.live.>", "live log, trace, infra marks and placement (LiveLog, LiveTrace, ...)"),
+        Grant("dlq.dispatcher", "its dead letters (DeadLetter)"),
+        Grant("$KV.dispatchers.>", "its presence in the dispatchers bucket, with the lanes it serves"),
+        Grant("term.*.out", "terminal output (subjects.terminal_subject)"),
+    ]
+    return grants
+
+
+def lane_subscribe_grants(lane: str) -> list[Grant]:
+    """What a dispatcher serving only `lane` may subscribe to."""
+    return [
+        Grant(f"{lane_inbox(lane)}.>", "its own replies only (DISPATCHER_INBOX_PREFIX)"),
+        Grant(
+            f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.CASES.{lane_durable(lane)}",
+            f"exhausted {lane_durable(lane)} deliveries",
+        ),
+        Grant("ctl.*.*", "actions on the live sandboxes it holds (subjects.control_filter)"),
+        Grant("term.*.in", "terminal keystrokes (subjects.terminal_subject)"),
+    ]
+
+
+def lane_permissions_name(lane: str) -> str:
+    """The name of the lane user's permissions block in `accounts.conf`."""
+    return password_variable(lane_user(lane)).removeprefix("NATS_PASSWORD_") + "_PERMISSIONS"
+
+
+def render_lane_permissions(lane: str) -> list[str]:
+    """The lane user's permissions block."""
+    lines = [f"{lane_permissions_name(lane)} = {{", "  publish: {", "    allow: ["]
+    lines += _grant_lines(lane_publish_grants(lane), "      ")
+    lines += ["    ]", "  }", "  subscribe: {", "    allow: ["]
+    lines += _grant_lines(lane_subscribe_grants(lane), "      ")
+    lines += ["    ]", "  }", "  # publish once to the reply subject of each request received (ctl.<run>.<action>)"]
+    lines += ["  allow_responses: true", "}", ""]
+    return lines
+
+
+def render_lane_user(lane: str, password: str | None = None) -> str:
+    """The lane user's entry in the account's `users`: its password from
+    `$NATS_PASSWORD_LANE_<LANE>`, or the given one (the local stack's file, mode 0600)."""
+    secret = f'"{password}"' if password is not None else f"${password_variable(lane_user(lane))}"
+    return f"{{user: {lane_user(lane)}, password: {secret}, permissions: ${lane_permissions_name(lane)}}}"
+
+
 def password_variable(user: str) -> str:
     """The environment variable nats-server reads a user's password from."""
     return "NATS_PASSWORD_" + user.upper().replace("-", "_")
@@ -198,7 +287,9 @@ def publish_grants(user: ServiceUser) -> list[Grant]:
     for stream, durable in user.consumers:
         why = f"consumer {durable}"
         grants += [
-            Grant(f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}", why),
+            Grant(f"$JS.API.CONSUMER.CREATE.{stream}.{durable}", why + ", created by name (several filters)"),
+            Grant(f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.>", why + ", created by name with its filter"),
+            Grant(f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}", why + " (releases before named creation)"),
             Grant(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}", why),
             Grant(f"$JS.ACK.{stream}.{durable}.>", why + ": ack, nak, in_progress, term"),
         ]
@@ -241,8 +332,10 @@ def _grant_lines(grants: list[Grant], indent: str) -> list[str]:
     return [f"{indent}{_quoted(g.subject).ljust(width)}  # {g.why}" for g in grants]
 
 
-def render() -> str:
-    """The text of `accounts.conf`."""
+def render(lanes: dict[str, str | None] | None = None) -> str:
+    """The text of `accounts.conf`, with a user for each lane of `lanes` (lane -> its password, or
+    None to read it from `$NATS_PASSWORD_LANE_<LANE>`)."""
+    lanes = lanes or {}
     lines = [
         "# GENERATED by deploy/nats/accounts.py from the table of what each service does on the bus in",
         "# src/evalbus/infra/nats_accounts.py; edit that table, then run `python deploy/nats/accounts.py`",
@@ -272,6 +365,8 @@ def render() -> str:
             lines.append("  allow_responses: true")
         lines.append("}")
         lines.append("")
+    for lane in sorted(lanes):
+        lines += render_lane_permissions(lane)
     lines += [
         "INGEST_PERMISSIONS = {",
         "  publish: {",
@@ -298,6 +393,7 @@ def render() -> str:
         )
     lines += [
         f"      {{user: ingest, password: ${password_variable('ingest')}, permissions: $INGEST_PERMISSIONS}}",
+        *(f"      {render_lane_user(lane, lanes[lane])}" for lane in sorted(lanes)),
         "      # operators and the evalbus CLI (dlq, replay, status): everything in this account",
         f"      {{user: admin, password: ${password_variable('admin')}}}",
         "    ]",

@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import quote, urlsplit, urlunsplit
 
 import asyncpg
 import msgspec
@@ -39,9 +38,11 @@ from evalbus.infra.endpoints import (
     load_endpoints,
     redact_url,
     save_endpoints,
+    url_as,
     url_port,
 )
 from evalbus.infra.health import StackHealth, check_stack
+from evalbus.infra.lanes import render_accounts
 from evalbus.infra.nats import start_nats
 from evalbus.infra.ports import free_port, port_is_free
 from evalbus.infra.postgres import (
@@ -261,6 +262,8 @@ def ensure_nats_users(path: Path) -> dict[str, str]:
     if path.exists():
         known = msgspec.json.decode(path.read_bytes(), type=dict[str, str])
     wanted = {user: _kept(known.get(user)) or new_nats_password() for user in nats_accounts.users()}
+    # the lane users `evalbus lane credential` added are kept
+    wanted |= {user: pw for user, pw in known.items() if user.startswith(nats_accounts.LANE_USER_PREFIX)}
     if wanted != known:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -290,9 +293,7 @@ def nats_url_as(endpoints: Endpoints, user: str) -> str:
     if not endpoints.nats_users:
         return endpoints.nats
     passwords = msgspec.json.decode(Path(endpoints.nats_users).read_bytes(), type=dict[str, str])
-    parts = urlsplit(endpoints.nats)
-    netloc = f"{quote(user, safe='')}:{quote(passwords[user], safe='')}@{parts.hostname}:{parts.port}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    return url_as(endpoints.nats, user, passwords[user])
 
 
 def _up_nats(layout: _Layout, previous: Endpoints, opts: UpOptions, result: UpResult, say: Say) -> Endpoints:
@@ -311,7 +312,7 @@ def _up_nats(layout: _Layout, previous: Endpoints, opts: UpOptions, result: UpRe
         users_file = layout.nats_dir / "users.json"
         passwords = ensure_nats_users(users_file)
         include = layout.nats_dir / "accounts.conf"
-        include.write_text(nats_accounts.render(), encoding="utf-8")
+        render_accounts(include, passwords)  # with the lane users `evalbus lane credential` added
         server_env = {nats_accounts.password_variable(user): pw for user, pw in passwords.items()}
     try:
         server = start_nats(

@@ -199,7 +199,7 @@ async def read_stream(nc: NatsClient, stream: str, subjects: tuple[str, ...]) ->
 def batch_subjects(batch_id: str) -> tuple[str, ...]:
     """The CASES subjects of one batch."""
     token = encode_token(batch_id)
-    return (f"batch.*.{token}", f"case.*.{token}.*")
+    return (f"batch.*.{token}", f"case.*.{token}.>")
 
 
 Counts: TypeAlias = Counter[tuple[str | None, str]]

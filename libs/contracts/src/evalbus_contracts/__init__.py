@@ -52,6 +52,7 @@ from evalbus_contracts.results import (
 from evalbus_contracts.sampling import sampled_by_trace_id
 from evalbus_contracts.scores import Invalid, JudgeUsage, Measured, Score, Unmeasured, UnmeasuredReason
 from evalbus_contracts.specs import (
+    DEFAULT_LANE,
     AnswerMatchGrader,
     BatchPolicy,
     BatchSpec,
@@ -87,6 +88,7 @@ from evalbus_contracts.specs import (
     TextMetricGrader,
     TraceSpec,
     expected_runs,
+    lane_problem,
     needs_compute,
     suite_case_count,
     trial_numbers,
@@ -100,6 +102,7 @@ from evalbus_contracts.streams import (
     KvDef,
     ObjectBucketDef,
     StreamDef,
+    lane_consumer,
 )
 from evalbus_contracts.summary import (
     FLAKY_CASES_LISTED,
@@ -133,6 +136,7 @@ from evalbus_contracts.trace import (
 __all__ = [
     "BUCKETS",
     "CONSUMERS",
+    "DEFAULT_LANE",
     "EVENT_TYPES",
     "FLAKY_CASES_LISTED",
     "OBJECT_BUCKETS",
@@ -251,6 +255,8 @@ __all__ = [
     "encode",
     "encode_token",
     "expected_runs",
+    "lane_consumer",
+    "lane_problem",
     "needs_compute",
     "new_event_id",
     "sampled_by_trace_id",

@@ -155,6 +155,15 @@ class CaseRequested(_CaseEvent, frozen=True, kw_only=True, tag="case.requested")
     plan: CasePlan
     """What later stages need."""
 
+    @property
+    def lane(self) -> str:
+        """The lane it runs in: the case's own, else the harness's (`default` for a request written
+        before lanes existed, which names neither)."""
+        return self.case.lane or self.harness.lane or s.DEFAULT_LANE
+
+    def subject(self) -> str:
+        return s.case_requested_subject(_req(self.batch_id, "batch id"), _req(self.case_id, "case id"), self.lane)
+
     def msg_id(self) -> str:
         # A retry of a retryable infrastructure failure is a new request of the same run.
         base = f"{self.type}:{self.run_id}"

@@ -75,3 +75,6 @@ class DispatcherStatus(_Data, frozen=True, kw_only=True):
     """When this status was written."""
     interval_s: float = 2.0
     """How often the replica writes it: a status older than three intervals is a replica gone."""
+    lanes: tuple[str, ...] = ("default",)
+    """The lanes whose cases it takes (`DISPATCHER_LANES`); a replica of a release before lanes
+    wrote none and serves the default lane."""

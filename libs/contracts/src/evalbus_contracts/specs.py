@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from evalbus_contracts import subjects
 from evalbus_contracts.objects import DatasetIndex, ObjectRef
 
 TraceKind = Literal["none", "otel", "mlflow", "langfuse", "langsmith", "phoenix"]
@@ -20,6 +21,18 @@ CollectMode = Literal["job", "control-plane"]
 """Who pulls the platform trace: the dispatcher after release, or the collector later."""
 Correlate = Literal["id", "tag"]
 """How a trace is found: the platform trace id is the run id, or the run id is a tag on it."""
+
+DEFAULT_LANE = subjects.DEFAULT_LANE
+"""The lane of a harness that names none, and of every case requested before lanes existed."""
+LANE_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
+"""A lane name: a subject token and a part of a consumer name (`dispatcher-cases-<lane>`)."""
+
+
+def lane_problem(lane: str) -> str | None:
+    """Why `lane` is not a lane name, or None when it is one."""
+    if LANE_PATTERN.match(lane):
+        return None
+    return "a lane is 1 to 32 lowercase letters, digits, '-' or '_', starting with a letter or a digit"
 
 
 class _Spec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False, omit_defaults=True):
@@ -150,6 +163,9 @@ class CaseSpec(_Spec, frozen=True, kw_only=True):
     """Per-case harness timeout; falls back to the harness's."""
     metadata: dict[str, str] = msgspec.field(default_factory=dict)
     """Opaque key/values passed through to results and sinks."""
+    lane: str | None = None
+    """The lane this case runs in when it is not the harness's (a GPU case in a CPU suite); only
+    dispatchers serving that lane take it (docs/backends.md, "Lanes")."""
 
 
 class SuiteSpec(_Spec, frozen=True, kw_only=True):
@@ -275,6 +291,11 @@ class HarnessSpec(_Spec, frozen=True, kw_only=True):
     Optional rather than an empty struct so a spec that sets none encodes without it: a gateway of
     an older release, which does not know the key, still takes what a newer CLI sends."""
 
+    lane: str = DEFAULT_LANE
+    """Which dispatchers run its cases: only those serving this lane (`DISPATCHER_LANES`, e.g. `gpu`,
+    `nomad-eu`, a laptop's own); a case whose lane no dispatcher serves waits, and its placement
+    says so. Omitted when `default`, so an older gateway still takes the spec (docs/backends.md)."""
+
     def resources(self) -> ComputeSpec:
         """`compute`, or the defaults when none is set."""
         return self.compute if self.compute is not None else ComputeSpec()
@@ -289,6 +310,9 @@ _PYTHON_TARGET = re.compile(r"^[^:\s]+:[A-Za-z_][A-Za-z0-9_]*$")
 def harness_problems(harness: HarnessSpec, at: str = "$.harness") -> list[tuple[str, str]]:
     """The rules a harness spec breaks, as (field path, message); empty when it is valid."""
     out: list[tuple[str, str]] = []
+    lane = lane_problem(harness.lane)
+    if lane is not None:
+        out.append((f"{at}.lane", lane))
     has_command = bool(harness.command) and bool(harness.command[0].strip())
     if harness.kind == "command":
         if not has_command:

@@ -10,6 +10,8 @@ from typing import Literal
 
 import msgspec
 
+from evalbus_contracts.subjects import DEFAULT_LANE, lane_filter
+
 
 class StreamDef(msgspec.Struct, frozen=True, kw_only=True):
     """A JetStream stream."""
@@ -94,8 +96,23 @@ DISPATCHER_BATCHES = ConsumerDef(
     durable="dispatcher-batches", stream="CASES", filter_subjects=("batch.requested.>",), max_ack_pending=64
 )
 DISPATCHER_CASES = ConsumerDef(
-    durable="dispatcher-cases", stream="CASES", filter_subjects=("case.requested.>",), max_ack_pending=1000
+    durable="dispatcher-cases", stream="CASES", filter_subjects=("case.requested.*.*",), max_ack_pending=1000
 )
+"""The default lane's requests (`case.requested.<batch>.<case>`, every request written before lanes
+existed); each other lane has its own consumer (`lane_consumer`)."""
+
+
+def lane_consumer(lane: str) -> ConsumerDef:
+    """The shared consumer of one lane's requests: `dispatcher-cases` for the default lane,
+    `dispatcher-cases-<lane>` (filtered on `case.requested.*.*.<lane>`) for any other. Every replica
+    serving the lane binds to it, as the default lane's replicas share `dispatcher-cases`."""
+    if lane == DEFAULT_LANE:
+        return DISPATCHER_CASES
+    return msgspec.structs.replace(
+        DISPATCHER_CASES, durable=f"{DISPATCHER_CASES.durable}-{lane}", filter_subjects=(lane_filter(lane),)
+    )
+
+
 COLLECTOR_CASES = ConsumerDef(
     durable="collector-cases", stream="CASES", filter_subjects=("case.executed.>",), max_ack_pending=256
 )

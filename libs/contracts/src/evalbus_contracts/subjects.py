@@ -30,10 +30,36 @@ def case_subject(kind: str, batch_id: str, case_id: str) -> str:
     return f"{kind}.{encode_token(batch_id)}.{encode_token(case_id)}"
 
 
+DEFAULT_LANE = "default"
+"""The lane whose requests carry no lane token (every request written before lanes existed)."""
+
+
+def case_requested_subject(batch_id: str, case_id: str, lane: str = DEFAULT_LANE) -> str:
+    """`case.requested.<batch>.<case>` in the default lane, `case.requested.<batch>.<case>.<lane>`
+    in any other: the lane is a last token, so the batch and case stay the third and fourth (every
+    `case.*.<batch>.>` filter sees every lane) and a request written before lanes existed is in the
+    default lane."""
+    base = case_subject(CASE_REQUESTED, batch_id, case_id)
+    return base if lane == DEFAULT_LANE else f"{base}.{encode_token(lane)}"
+
+
+def lane_filter(lane: str) -> str:
+    """The requests of one lane (what its dispatchers' consumer takes)."""
+    if lane == DEFAULT_LANE:
+        return f"{CASE_REQUESTED}.*.*"
+    return f"{CASE_REQUESTED}.*.*.{encode_token(lane)}"
+
+
+def case_requested_filter(batch_id: str, case_id: str) -> str:
+    """The requests of one case in whichever lane (`case.requested.<batch>.<case>.*` and, with
+    `subject_matches`, the default lane's own subject are its two forms)."""
+    return f"{case_subject(CASE_REQUESTED, batch_id, case_id)}.*"
+
+
 def batch_filter(batch_id: str) -> list[str]:
-    """Subjects of every event of one batch (for SSE and replays)."""
+    """Subjects of every event of one batch (for SSE and replays), requests of every lane included."""
     tok = encode_token(batch_id)
-    return [f"batch.*.{tok}", f"case.*.{tok}.*"]
+    return [f"batch.*.{tok}", f"case.*.{tok}.>"]
 
 
 def live_subject(run_id: str, channel: str) -> str:

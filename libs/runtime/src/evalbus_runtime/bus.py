@@ -33,8 +33,10 @@ async def connect(
     *,
     on_disconnect: Callable[[], Awaitable[None]] | None = None,
     on_reconnect: Callable[[], Awaitable[None]] | None = None,
+    inbox_prefix: str = "_INBOX",
 ) -> NatsClient:
-    """Connect with unlimited reconnects to every server in `url` (comma-separated), quiet errors."""
+    """Connect with unlimited reconnects to every server in `url` (comma-separated), quiet errors;
+    replies come to `<inbox_prefix>.…` (a scoped user may subscribe to its own inboxes only)."""
 
     async def error_cb(e: Exception) -> None:
         log.warning("nats error: %s", e)
@@ -61,6 +63,7 @@ async def connect(
         disconnected_cb=disconnected_cb,
         reconnected_cb=reconnected_cb,
         pending_size=64 * 1024 * 1024,
+        inbox_prefix=inbox_prefix,
     )
 
 
@@ -80,8 +83,11 @@ def stream_config(stream: StreamDef, replicas: int = 1) -> jsapi.StreamConfig:
 
 
 def consumer_config(consumer: ConsumerDef) -> jsapi.ConsumerConfig:
-    """nats-py config of a consumer definition (explicit ack, deliver all, pull)."""
+    """nats-py config of a consumer definition (explicit ack, deliver all, pull). Named, so it is
+    created through `$JS.API.CONSUMER.CREATE.<stream>.<durable>.<filter>`: a user's permissions can
+    pin the filter of the consumers it may create (a lane dispatcher's credential)."""
     return jsapi.ConsumerConfig(
+        name=consumer.durable,
         durable_name=consumer.durable,
         filter_subjects=list(consumer.filter_subjects) if len(consumer.filter_subjects) > 1 else None,
         filter_subject=consumer.filter_subjects[0] if len(consumer.filter_subjects) == 1 else None,

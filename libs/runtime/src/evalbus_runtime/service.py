@@ -111,11 +111,17 @@ class Service:
 
     async def start(self) -> None:
         """Connect, create streams and consumers, start HTTP and the consumer loops."""
-        self._nc = await connect(self.settings.nats_url, f"evalbus-{self.name}", on_reconnect=self._reconnected)
+        self._nc = await connect(
+            self.settings.nats_url,
+            f"evalbus-{self.name}",
+            on_reconnect=self._reconnected,
+            inbox_prefix=self.settings.inbox_prefix,
+        )
         self._js = self._nc.jetstream()
         # Streams are shared; consumers belong to the service that reads them, which applies its
         # own settings (a global limit raised for one deployment is not reset by another service).
-        await ensure_topology(self._js, STREAMS, (), replicas=self.settings.stream_replicas)
+        if self.settings.create_topology:
+            await ensure_topology(self._js, STREAMS, (), replicas=self.settings.stream_replicas)
         for stage in self._stages:
             await ensure_consumer(self._js, stage.consumer)
         self._publisher = Publisher(self._nc)

@@ -53,6 +53,13 @@ class ServiceSettings(msgspec.Struct, kw_only=True):
     stream_replicas: int = 1
     """Replicas of the streams and buckets this service creates (3 on a 3-node NATS cluster); an
     existing stream's replica count is never lowered."""
+    inbox_prefix: str = "_INBOX"
+    """Prefix of the subjects replies come to (JetStream answers, pulled messages): a lane
+    dispatcher's credential may subscribe only to `_INBOX.lane-<lane>.>`, so it cannot hear the
+    messages other replicas pull."""
+    create_topology: bool = True
+    """Create (or update) the streams and buckets at start; false: take them as an operator or the
+    other services created them (a lane dispatcher whose scoped credential may not change them)."""
     fault_kill: str | None = None
     """TEST ONLY: deterministic SIGKILL points, `<point>:<consumer>:<event type>:<run id>[;…]`
     (see `evalbus_runtime.faults`). Never set in a deployment."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from evalbus_contracts import (
+    DEFAULT_LANE,
     CaseExecuted,
     CaseFailure,
     CaseRequested,
@@ -81,6 +82,8 @@ class Queued:
     """Seconds between JetStream storing the request and this dispatcher taking it."""
     delivery: int = 1
     """Delivery number (above 1: an earlier delivery was not acknowledged)."""
+    lane: str = DEFAULT_LANE
+    """The lane it waited in."""
 
     def reason(self) -> str | None:
         """The `waiting` mark's words, or None when the wait is not worth a mark."""
@@ -90,6 +93,8 @@ class Queued:
                 "acknowledged (the dispatcher that held it stopped or failed)"
             )
         if self.waited_s >= QUEUE_MARK_S:
+            if self.lane != DEFAULT_LANE:
+                return f"waited {self.waited_s:.1f}s in lane {self.lane}'s queue for a dispatcher serving it"
             return f"waited {self.waited_s:.1f}s in the queue for a compute slot"
         return None
 

@@ -1,6 +1,6 @@
-"""A dispatcher replica's presence in the `dispatchers` bucket: its id, node, compute slots and the
-runs holding them, written every few seconds and at once when a slot is taken or freed, deleted
-when the replica stops (a replica that died ages out, and readers drop a status older than three
+"""A dispatcher replica's presence in the `dispatchers` bucket: its id, node, compute slots, the
+runs holding them and the lanes it serves, written every few seconds and at once when a slot is
+taken or freed, deleted when the replica stops (a replica that died ages out, and readers drop a status older than three
 intervals). The gateway reads the bucket to say why a queued run is not running yet."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import nats.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from evalbus_contracts import DispatcherStatus, encode, utcnow
+from evalbus_contracts import DEFAULT_LANE, DispatcherStatus, encode, utcnow
 from evalbus_contracts.streams import DISPATCHERS
 
 log = logging.getLogger(__name__)
@@ -43,13 +43,20 @@ class Presence:
     """What this replica holds, kept in the `dispatchers` bucket while it runs."""
 
     def __init__(
-        self, replica_id: str, *, slots: int, node: str | None = None, interval_s: float = STATUS_INTERVAL_S
+        self,
+        replica_id: str,
+        *,
+        slots: int,
+        node: str | None = None,
+        interval_s: float = STATUS_INTERVAL_S,
+        lanes: tuple[str, ...] = (DEFAULT_LANE,),
     ) -> None:
         self.id = replica_id
         """This replica's id."""
         self._node = node if node is not None else (platform.node() or None)
         self._slots = slots
         self._interval_s = interval_s
+        self._lanes = lanes
         self._runs: Counter[str] = Counter()
         self._changed = asyncio.Event()
         self._started_at: datetime = utcnow()
@@ -86,6 +93,7 @@ class Presence:
             started_at=self._started_at,
             updated_at=utcnow(),
             interval_s=self._interval_s,
+            lanes=self._lanes,
         )
 
     async def start(self, js: JetStreamContext) -> None:

@@ -1,9 +1,10 @@
-"""Wiring of the dispatcher: fan-out of `batch.requested`, execution of `case.requested` on the
-local backend with compute slots (a replica pulls only when a slot is free, and gives the slot back
-the moment the sandbox is released), live output and placement samples to the LIVE stream, the
-replica's presence (slots and the runs holding them) in the `dispatchers` bucket, cancellations
-honoured, job-mode trace collection through `evalbus_traces`, retries of retryable infrastructure
-failures."""
+"""Wiring of the dispatcher: fan-out of `batch.requested` (on a replica serving the default lane,
+or `DISPATCHER_FANOUT`), execution of `case.requested` of the lanes it serves (`DISPATCHER_LANES`,
+one shared consumer per lane) on the local backend with compute slots (a replica pulls only when a
+slot is free, and gives the slot back the moment the sandbox is released), live output and placement
+samples to the LIVE stream, the replica's presence (slots, the runs holding them, its lanes) in the
+`dispatchers` bucket, cancellations honoured, job-mode trace collection through `evalbus_traces`,
+retries of retryable infrastructure failures."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 
 from evalbus_contracts import (
+    DEFAULT_LANE,
     BatchCancelled,
     BatchRequested,
     CaseRequested,
@@ -37,11 +39,13 @@ from evalbus_contracts import (
     TraceEvent,
     TraceRef,
     decode_event,
+    lane_consumer,
+    lane_problem,
     subjects,
 )
 from evalbus_contracts.control import TERMINAL_PING_S
 from evalbus_contracts.events import EventBase
-from evalbus_contracts.streams import DISPATCHER_BATCHES, DISPATCHER_CASES, LIVE
+from evalbus_contracts.streams import CASES, DISPATCHER_BATCHES, LIVE
 from evalbus_dispatcher.backends.base import Mark, Observed, SandboxHandle
 from evalbus_dispatcher.backends.docker import DockerBackend, DockerTemplate, connect_docker
 from evalbus_dispatcher.backends.kubernetes import JobTemplate, KubernetesBackend, connect_cluster
@@ -123,6 +127,32 @@ class DispatcherSettings(ServiceSettings):
     """Engine API version the requests are prefixed with (`/v1.43/…`)."""
     docker_network: str = "bridge"
     """Network mode of the case containers: `bridge`, `none`, `host` or a network's name."""
+    lanes: str = DEFAULT_LANE
+    """Lanes whose cases this replica takes, comma-separated (`DISPATCHER_LANES=gpu`,
+    `default,nomad-eu`): a consumer per lane, shared by every replica serving it; each lane served
+    gets the replica's `slots` (docs/backends.md, "Lanes")."""
+    cancellations: Literal["follow", "lookup"] = "follow"
+    """How it learns that a batch was cancelled: `follow` every `batch.cancelled` (an ordered
+    consumer), or `lookup` the batch's when one of its cases arrives (one read per case; what a
+    lane credential allows, `evalbus lane credential`)."""
+    fanout: bool | None = None
+    """Whether this replica fans batches out into cases (`dispatcher-batches`); unset: when it
+    serves the default lane, so a GPU box or a laptop joining for its own lane does only its cases."""
+
+    def __post_init__(self) -> None:
+        for lane in self.served_lanes():
+            problem = lane_problem(lane)
+            if problem is not None:
+                raise ValueError(f"DISPATCHER_LANES: {lane!r}: {problem}")
+
+    def served_lanes(self) -> tuple[str, ...]:
+        """`lanes` as a list, in order, without repeats (empty: the default lane)."""
+        names = [part.strip() for part in self.lanes.split(",") if part.strip()]
+        return tuple(dict.fromkeys(names)) or (DEFAULT_LANE,)
+
+    def fans_out(self) -> bool:
+        """Whether it reads `dispatcher-batches`."""
+        return self.fanout if self.fanout is not None else DEFAULT_LANE in self.served_lanes()
 
 
 class LiveBus:
@@ -275,17 +305,42 @@ class ScreenSessions:
 
 
 class Cancellations:
-    """Which batches are cancelled or superseded, from `batch.cancelled.*` (last per batch)."""
+    """Which batches are cancelled or superseded, from `batch.cancelled.*` (last per batch): followed
+    by an ordered consumer, or (`lookup`) read per batch when one of its cases arrives — a lane
+    dispatcher's user may not create an unfiltered consumer on CASES, which could re-filter another
+    lane's durable consumer."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode: Literal["follow", "lookup"] = "follow") -> None:
+        self._mode = mode
         self._reasons: dict[str, CancelReason] = {}
         self._read = 0
 
-    def reason(self, batch_id: str | None) -> CancelReason | None:
-        return None if batch_id is None else self._reasons.get(batch_id)
+    async def reason(self, js: JetStreamContext, batch_id: str | None) -> CancelReason | None:
+        """Why the batch stopped starting cases, or None while it has not."""
+        if batch_id is None:
+            return None
+        known = self._reasons.get(batch_id)
+        if known is not None or self._mode == "follow":
+            return known
+        try:
+            raw = await js.get_last_msg(CASES.name, subjects.batch_subject(subjects.BATCH_CANCELLED, batch_id))
+        except nats.js.errors.NotFoundError:
+            return None
+        try:
+            event = decode_event(raw.data or b"")
+        except DecodeError:
+            log.warning("unreadable cancellation of %s ignored", batch_id)
+            return None
+        if isinstance(event, BatchCancelled):
+            self._reasons[batch_id] = event.reason  # a cancellation is final
+            return event.reason
+        return None
 
     async def start(self, js: JetStreamContext) -> None:
-        """Follow cancellations; return once every cancellation already stored has been read."""
+        """Follow cancellations; return once every cancellation already stored has been read (in
+        `lookup` mode: nothing to do)."""
+        if self._mode == "lookup":
+            return
         info = await js.stream_info("CASES", subjects_filter="batch.cancelled.>")
         known = len(info.state.subjects or {})
 
@@ -376,9 +431,13 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
     elif settings.backend == "docker":
         cluster = docker_backend(settings, secrets)
     puller = PlatformTracePuller(secrets)
-    cancels = Cancellations()
+    cancels = Cancellations(settings.cancellations)
+    lanes = settings.served_lanes()
     presence = Presence(
-        settings.replica_id or default_replica_id(), slots=settings.slots, interval_s=settings.status_interval_s
+        settings.replica_id or default_replica_id(),
+        slots=settings.slots * len(lanes),
+        interval_s=settings.status_interval_s,
+        lanes=lanes,
     )
     controls = LiveControls(ping_s=settings.terminal_ping_s)
     screens = ScreenSessions()
@@ -415,7 +474,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
             run_id_of(req)
         except ValueError as e:
             raise Poison(f"case.requested without a run: {e}") from e
-        reason = cancels.reason(req.batch_id)
+        reason = await cancels.reason(service.js, req.batch_id)
         if reason is not None:
             return [cancelled_execution(req, reason)]
         live = LiveBus(service.publisher, req)
@@ -446,7 +505,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
                 trace_puller=puller,
                 backoff_s=settings.retry_backoff_s * (req.attempt - 1),
                 dispatcher=presence.id,
-                queued=Queued(waited_s=waited, delivery=delivery.num_delivered),
+                queued=Queued(waited_s=waited, delivery=delivery.num_delivered, lane=req.lane),
                 sample_interval_s=settings.sample_interval_s,
                 on_sandbox=lambda handle, mark, declared: controls.attach(
                     run_id, observed(handle, mark), mark, screen=lambda: capture(screens.session, handle, declared)
@@ -461,7 +520,11 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
 
     service.on_start(start)
     service.on_stop(stop)
-    service.add_stage(Stage(consumer=DISPATCHER_BATCHES, handler=on_batch, accepts=(BatchRequested,), concurrency=8))
-    service.add_stage(
-        Stage(consumer=DISPATCHER_CASES, handler=on_case, accepts=(CaseRequested,), concurrency=settings.slots)
-    )
+    if settings.fans_out():
+        service.add_stage(
+            Stage(consumer=DISPATCHER_BATCHES, handler=on_batch, accepts=(BatchRequested,), concurrency=8)
+        )
+    for lane in lanes:
+        service.add_stage(
+            Stage(consumer=lane_consumer(lane), handler=on_case, accepts=(CaseRequested,), concurrency=settings.slots)
+        )

@@ -7,17 +7,28 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 from aiohttp import web
 from nats.js import JetStreamContext
 
-from evalbus_contracts import InfraMark, LivePlacement, encode, utcnow
+from evalbus_contracts import InfraMark, LivePlacement, encode, lane_problem, utcnow
 from evalbus_gateway.api.access import LiveRun, visible_live_run
 from evalbus_gateway.api.live import run_status
+from evalbus_gateway.api.reads import requested_on_stream
 from evalbus_gateway.api.table import Body, Call, Param, Route
 from evalbus_gateway.api.validation import path_id
 from evalbus_gateway.live.dispatchers import dispatcher_board, latest_request, requests_ahead
-from evalbus_gateway.live.placement import Asked, MarkSeen, Requested, RunPlacement, SampleSeen, project
+from evalbus_gateway.live.placement import (
+    Asked,
+    MarkSeen,
+    Requested,
+    RunPlacement,
+    SampleSeen,
+    lanes_waiting,
+    project,
+)
 from evalbus_gateway.live.reads import last_on, live_subjects, read_live
+from evalbus_gateway.store.queries import BatchView
 
 
 async def _marks(js: JetStreamContext, run_id: str) -> list[MarkSeen]:
@@ -48,9 +59,13 @@ async def _requested(js: JetStreamContext, run: LiveRun) -> Requested | None:
     if stored is None:
         return None
     req = stored.request
-    ahead = await requests_ahead(js, stored.seq)
+    # a request whose lane is no lane name (published around the gateway) has no queue to count
+    ahead = await requests_ahead(js, stored.seq, req.lane) if lane_problem(req.lane) is None else None
     return Requested(
-        attempt=req.attempt, asked=Asked(timeout_s=req.case.timeout_s or req.harness.timeout_s), ahead=ahead
+        attempt=req.attempt,
+        asked=Asked(timeout_s=req.case.timeout_s or req.harness.timeout_s),
+        ahead=ahead,
+        lane=req.lane,
     )
 
 
@@ -81,6 +96,21 @@ async def run_placement(call: Call) -> web.StreamResponse:
     return web.Response(body=encode(view), content_type="application/json")
 
 
+async def with_lanes_waiting(js: JetStreamContext, view: BatchView) -> BatchView:
+    """`view` with the lanes of its cases no running dispatcher serves (while some case has not
+    executed): the harness's lane and the inline cases' own."""
+    if view.total_runs is not None and view.counts.executed >= view.total_runs:
+        return view
+    requested = await requested_on_stream(js, view.batch_id)
+    if requested is None or requested.rejudge_of is not None:
+        return view
+    spec = requested.spec
+    lanes = {spec.harness.lane} | {c.lane for c in spec.suite.cases if c.lane}
+    statuses, server_now = await dispatcher_board(js)
+    waiting = lanes_waiting(lanes, statuses, server_now or utcnow())
+    return msgspec.structs.replace(view, waiting=waiting) if waiting else view
+
+
 _RUN_ID = Param(
     "run_id", "path", "Run id (`evb-<batch>-<case>[-t<trial>]`)", {"type": "string", "minLength": 1, "maxLength": 256}
 )
@@ -94,8 +124,9 @@ ROUTES: tuple[Route, ...] = (
         "member",
         run_placement,
         tag="runs",
-        description="`phase` with the `reason` while queued or blocked (how many requests are ahead of it, how busy "
-        "the dispatchers' slots are, a retry's backoff, no dispatcher running) or dead (released, settled, lost with "
+        description="`phase` with the `reason` while queued or blocked (how many requests are ahead of it in its "
+        "lane, how busy the lane's dispatchers' slots are, a retry's backoff, no dispatcher running, no dispatcher "
+        "serving its lane) or dead (released, settled, lost with "
         "its dispatcher); the dispatcher, unit and node; what it asked for and what it uses (the latest resource "
         "sample: pid, processes, resident memory, CPU seconds, age); restarts; the OOM verdict; and every infra mark "
         "(the backend's event feed). Read from the LIVE stream, the `dispatchers` bucket and the dispatchers' queue, "

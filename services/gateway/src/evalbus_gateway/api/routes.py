@@ -44,7 +44,7 @@ from evalbus_gateway.api.models import (
 from evalbus_gateway.api.online import ROUTES as ONLINE_ROUTES
 from evalbus_gateway.api.openapi import build_openapi
 from evalbus_gateway.api.placement import ROUTES as PLACEMENT_ROUTES
-from evalbus_gateway.api.placement import placement_of
+from evalbus_gateway.api.placement import placement_of, with_lanes_waiting
 from evalbus_gateway.api.reads import finalized_on_stream, list_batches
 from evalbus_gateway.api.rejudge import ROUTE as REJUDGE_ROUTE
 from evalbus_gateway.api.sse import stream_batch_events
@@ -205,6 +205,8 @@ async def get_batch_route(call: Call) -> web.StreamResponse:
                 error=final.error,
                 finalized_at=final.ts,
             )
+    if view.finalized_at is None and view.cancel_reason is None:
+        view = await with_lanes_waiting(call.state.js, view)
     return json_response(view)
 
 

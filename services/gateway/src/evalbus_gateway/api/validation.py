@@ -32,7 +32,7 @@ from evalbus_contracts import (
     TextMetricGrader,
     decode,
 )
-from evalbus_contracts.specs import harness_problems
+from evalbus_contracts.specs import harness_problems, lane_problem
 from evalbus_contracts.streams import DATASETS
 from evalbus_contracts.strict import StrictProblem, strict_problems
 from evalbus_gateway.api.errors import ApiError, invalid
@@ -188,6 +188,10 @@ def case_problems(case: CaseSpec, at: str, seen_cases: set[str]) -> list[SpecPro
     seen_cases.add(case.id)
     if case.timeout_s is not None and case.timeout_s <= 0:
         out.append(SpecProblem(f"{at}.timeout_s", "must be greater than 0"))
+    if case.lane is not None:
+        lane = lane_problem(case.lane)
+        if lane is not None:
+            out.append(SpecProblem(f"{at}.lane", lane))
     seen_graders: set[str] = set()
     for j, grader in enumerate(case.graders):
         g_at = f"{at}.graders[{j}]"

@@ -1,6 +1,7 @@
 """Reads of the dispatchers' side of the bus, for a run's placement: the replicas' statuses in the
 `dispatchers` bucket, the run's latest request on the CASES stream, and how many requests are ahead
-of it in the dispatchers' queue (the shared `dispatcher-cases` consumer). Nothing is kept between
+of it in its lane's queue (the shared `dispatcher-cases` consumer, `dispatcher-cases-<lane>` for
+another lane). Nothing is kept between
 requests, so every gateway replica answers the same."""
 
 from __future__ import annotations
@@ -16,8 +17,17 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
 
-from evalbus_contracts import CaseRequested, DecodeError, DispatcherStatus, decode, decode_event, subjects
-from evalbus_contracts.streams import CASES, DISPATCHER_CASES, DISPATCHERS
+from evalbus_contracts import (
+    DEFAULT_LANE,
+    CaseRequested,
+    DecodeError,
+    DispatcherStatus,
+    decode,
+    decode_event,
+    lane_consumer,
+    subjects,
+)
+from evalbus_contracts.streams import CASES, DISPATCHERS, ConsumerDef
 from evalbus_gateway.live.reads import READ_TIMEOUT_S
 from evalbus_gateway.live.server_clock import parse_time, stream_info_raw
 
@@ -84,13 +94,32 @@ def _request_of(data: bytes, run_id: str) -> CaseRequested | None:
     return event if isinstance(event, CaseRequested) and event.run_id == run_id else None
 
 
+async def _lane_subject(js: JetStreamContext, batch_id: str, case_id: str) -> str | None:
+    """The lane subject the stream holds the case's requests on, if any (a case's lane is its
+    batch's, the same for every trial and attempt)."""
+    info = await stream_info_raw(
+        js, CASES.name, READ_TIMEOUT_S, subjects_filter=subjects.case_requested_filter(batch_id, case_id)
+    )
+    state = info.get("state") if info is not None else None
+    laned = sorted((state.get("subjects") if isinstance(state, dict) else None) or {})
+    return laned[0] if laned else None
+
+
 async def latest_request(js: JetStreamContext, batch_id: str, case_id: str, run_id: str) -> StoredRequest | None:
-    """The run's latest request (its latest attempt) on the CASES stream; None when there is none."""
+    """The run's latest request (its latest attempt) on the CASES stream, in whichever lane; None
+    when there is none. The default lane's subject is read first: a request there costs one read."""
     subject = subjects.case_subject(subjects.CASE_REQUESTED, batch_id, case_id)
     try:
         raw = await js.get_last_msg(CASES.name, subject)
     except nats.js.errors.NotFoundError:
-        return None
+        laned = await _lane_subject(js, batch_id, case_id)
+        if laned is None:
+            return None
+        subject = laned
+        try:
+            raw = await js.get_last_msg(CASES.name, subject)
+        except nats.js.errors.NotFoundError:
+            return None
     request = _request_of(raw.data or b"", run_id)
     if request is not None:
         return StoredRequest(seq=int(raw.seq or 0), request=request)
@@ -115,15 +144,15 @@ async def latest_request(js: JetStreamContext, batch_id: str, case_id: str, run_
             await sub.unsubscribe()
 
 
-async def _pending_from(js: JetStreamContext, seq: int) -> int:
+async def _pending_from(js: JetStreamContext, seq: int, consumer: ConsumerDef) -> int:
     """Requests on the dispatchers' subjects at or after stream sequence `seq`, counted by an
     ephemeral consumer starting there (the server counts without a message read). It is never
     used again and the server removes it after a few idle seconds: deleting it would need a grant
     on every consumer of CASES, durable ones included."""
     probe = await js.add_consumer(
-        DISPATCHER_CASES.stream,
+        consumer.stream,
         jsapi.ConsumerConfig(
-            filter_subjects=list(DISPATCHER_CASES.filter_subjects),
+            filter_subjects=list(consumer.filter_subjects),
             deliver_policy=jsapi.DeliverPolicy.BY_START_SEQUENCE,
             opt_start_seq=max(1, seq),
             ack_policy=jsapi.AckPolicy.NONE,
@@ -134,21 +163,22 @@ async def _pending_from(js: JetStreamContext, seq: int) -> int:
     return int(probe.num_pending or 0)
 
 
-async def requests_ahead(js: JetStreamContext, seq: int) -> int | None:
-    """How many requests the dispatchers' queue will deliver before the one at stream sequence `seq`
+async def requests_ahead(js: JetStreamContext, seq: int, lane: str = DEFAULT_LANE) -> int | None:
+    """How many requests the lane's queue will deliver before the one at stream sequence `seq`
     (None when that one was delivered already).
 
     The queue's undelivered requests are the shared consumer's `num_pending` (every request, before
     any dispatcher created the consumer); those from `seq` on are counted from there: the difference
     is what is ahead.
     """
+    consumer = lane_consumer(lane)
     try:
-        info = await js.consumer_info(DISPATCHER_CASES.stream, DISPATCHER_CASES.durable)
+        info = await js.consumer_info(consumer.stream, consumer.durable)
     except nats.js.errors.NotFoundError:
-        undelivered = await _pending_from(js, 1)
+        undelivered = await _pending_from(js, 1, consumer)  # no dispatcher ever served the lane
     else:
         delivered = int(info.delivered.stream_seq or 0) if info.delivered is not None else 0
         if seq <= delivered:
             return None
         undelivered = int(info.num_pending or 0)
-    return max(0, undelivered - await _pending_from(js, seq))
+    return max(0, undelivered - await _pending_from(js, seq, consumer))

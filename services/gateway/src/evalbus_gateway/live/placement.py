@@ -7,8 +7,9 @@ Phases, from the marks of the run's latest execution:
 
 - `queued`: requested, no dispatcher accepted it yet, and there are dispatchers to take it (the
   reason says how many requests are ahead of it and how busy the slots are);
-- `blocked`: it cannot move on by itself: no dispatcher is running, or an accepted attempt waits
-  out a retry's backoff (the `waiting` mark's reason);
+- `blocked`: it cannot move on by itself: no dispatcher is running, none serves its lane ("no
+  dispatcher serves lane gpu"), or an accepted attempt waits out a retry's backoff (the `waiting`
+  mark's reason);
 - `starting`: a dispatcher accepted it and is provisioning the sandbox or spawning the harness;
 - `running`: the harness process exists (or exited while graders use the sandbox);
 - `dead`: the sandbox is gone: released (the run finishes without it), settled, or lost with the
@@ -17,7 +18,7 @@ Phases, from the marks of the run's latest execution:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
@@ -25,8 +26,9 @@ from typing import Literal
 import msgspec
 from msgspec.structs import replace
 
-from evalbus_contracts import DispatcherStatus, Infra, PlacementSample
+from evalbus_contracts import DEFAULT_LANE, DispatcherStatus, Infra, PlacementSample
 from evalbus_gateway.live.views import RunStatus
+from evalbus_gateway.store.queries import LaneWaiting
 
 Phase = Literal["queued", "blocked", "starting", "running", "dead"]
 """Where the run's sandbox is."""
@@ -68,8 +70,10 @@ class QueueState(msgspec.Struct, frozen=True, kw_only=True):
 
     ahead: int | None = None
     """Requests ahead of it that no dispatcher took yet (None: it was handed to a dispatcher)."""
+    lane: str = DEFAULT_LANE
+    """The lane whose queue it is (its harness's or case's `lane`)."""
     dispatchers: int = 0
-    """Dispatcher replicas running."""
+    """Dispatcher replicas running that serve the lane."""
     slots: int = 0
     """Their compute slots."""
     used: int = 0
@@ -139,6 +143,8 @@ class Requested:
     asked: Asked
     ahead: int | None
     """Requests ahead of it not delivered yet; None when it was delivered to a dispatcher."""
+    lane: str = DEFAULT_LANE
+    """The lane it waits in: only dispatchers serving it take it."""
 
 
 def fresh(statuses: Sequence[DispatcherStatus], now: datetime) -> list[DispatcherStatus]:
@@ -156,20 +162,43 @@ def _ahead(n: int | None) -> str:
     return f"{n} ahead of it"
 
 
+def unserved(lane: str, alive: Sequence[DispatcherStatus], gone: Sequence[DispatcherStatus]) -> str:
+    """Why a run of `lane` waits when no live dispatcher serves the lane."""
+    seen = ""
+    gone_here = [s for s in gone if lane in s.lanes]
+    if gone_here:
+        last = max(gone_here, key=lambda s: s.updated_at)
+        seen = f" (the last one, {last.dispatcher}, was last seen at {last.updated_at.isoformat()})"
+    if not alive and lane == DEFAULT_LANE:
+        return f"no dispatcher is running: the run waits for one to start{seen}"
+    served = sorted({name for s in alive for name in s.lanes})
+    others = f"; the {len(alive)} running serve {', '.join(served)}" if alive else ""
+    return f"no dispatcher serves lane {lane}: the run waits for one started with DISPATCHER_LANES={lane}{seen}{others}"
+
+
+def lanes_waiting(lanes: Iterable[str], statuses: Sequence[DispatcherStatus], now: datetime) -> tuple[LaneWaiting, ...]:
+    """The lanes among `lanes` that no live dispatcher serves, each with its reason (a batch's view)."""
+    alive = fresh(statuses, now)
+    gone = [s for s in statuses if s not in alive]
+    return tuple(
+        LaneWaiting(lane=lane, reason=unserved(lane, alive, gone))
+        for lane in sorted(set(lanes))
+        if not any(lane in s.lanes for s in alive)
+    )
+
+
 def _queued(
-    requested: Requested | None, statuses: Sequence[DispatcherStatus], gone: Sequence[DispatcherStatus]
+    requested: Requested | None, alive: Sequence[DispatcherStatus], gone: Sequence[DispatcherStatus]
 ) -> tuple[Phase, str, QueueState]:
     ahead = requested.ahead if requested is not None else 0
+    lane = requested.lane if requested is not None else DEFAULT_LANE
+    statuses = [s for s in alive if lane in s.lanes]
     slots = sum(s.slots for s in statuses)
     used = sum(min(s.used, s.slots) for s in statuses)
-    queue = QueueState(ahead=ahead, dispatchers=len(statuses), slots=slots, used=used)
+    queue = QueueState(ahead=ahead, lane=lane, dispatchers=len(statuses), slots=slots, used=used)
     prefix = f"attempt {requested.attempt}: " if requested is not None and requested.attempt > 1 else ""
     if not statuses:
-        seen = ""
-        if gone:
-            last = max(gone, key=lambda s: s.updated_at)
-            seen = f" (the last one, {last.dispatcher}, was last seen at {last.updated_at.isoformat()})"
-        return "blocked", f"{prefix}no dispatcher is running: the run waits for one to start{seen}", queue
+        return "blocked", prefix + unserved(lane, alive, gone), queue
     if used >= slots:
         reason = (
             f"{prefix}waiting for a compute slot: {_ahead(ahead)}; all {slots} slot(s) of "

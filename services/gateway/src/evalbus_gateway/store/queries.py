@@ -39,6 +39,15 @@ BatchStatus = Literal["queued", "running", "succeeded", "failed", "cancelled", "
 Stage = Literal["requested", "executed", "collected", "judged", "exported"]
 
 
+class LaneWaiting(msgspec.Struct, frozen=True, kw_only=True):
+    """A lane of a running batch that no dispatcher serves: its cases wait."""
+
+    lane: str
+    """The lane (the harness's, or a case's own)."""
+    reason: str
+    """Why its cases wait (`no dispatcher serves lane gpu: …`), as their placement says it."""
+
+
 class BatchView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """A batch as the read model holds it."""
 
@@ -76,6 +85,9 @@ class BatchView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Who cancelled it (or the superseding batch)."""
     superseded_by: str | None = None
     """The batch that superseded it."""
+    waiting: tuple[LaneWaiting, ...] = ()
+    """Lanes of its cases that no running dispatcher serves, while it runs (read when asked from
+    the dispatchers' presence; a dataset's own case lanes are not read, only the harness's)."""
 
 
 class LiveTraceLink(msgspec.Struct, frozen=True, kw_only=True):
