@@ -28,18 +28,10 @@ from msgspec.structs import replace
 
 from evalbus_contracts import DEFAULT_LANE, DispatcherStatus, Infra, PlacementSample
 from evalbus_gateway.live.views import RunStatus
-from evalbus_gateway.store.queries import LaneWaiting
+from evalbus_gateway.store.queries import LaneWaiting, RunPhase
 
 Phase = Literal["queued", "blocked", "starting", "running", "dead"]
 """Where the run's sandbox is."""
-
-RunPhase = Literal[
-    "queued", "blocked", "starting", "running", "finishing", "lost",
-    "executed", "collected", "judged", "exported", "failed", "cancelled",
-]  # fmt: skip
-"""Where a run is, in one word: its sandbox's placement while it has not settled (`finishing` once
-the sandbox is released, `lost` with its dispatcher), then the furthest stage recorded (`failed` or
-`cancelled` when its execution was)."""
 
 _SETTLED: dict[str, RunPhase] = {
     "requested": "executed",  # settled on the stream before the read model recorded it

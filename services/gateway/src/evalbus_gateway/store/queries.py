@@ -25,7 +25,6 @@ from evalbus_contracts import (
     decode,
     decode_event,
 )
-from evalbus_gateway.live.placement import RunPhase
 from evalbus_gateway.store.connections import acquire, snapshot
 from evalbus_gateway.store.projection import project
 from evalbus_gateway.store.recorder import RECORDER_LOCK, SETTLED
@@ -37,6 +36,13 @@ if TYPE_CHECKING:
 
 BatchStatus = Literal["queued", "running", "succeeded", "failed", "cancelled", "superseded"]
 Stage = Literal["requested", "executed", "collected", "judged", "exported"]
+RunPhase = Literal[
+    "queued", "blocked", "starting", "running", "finishing", "lost",
+    "executed", "collected", "judged", "exported", "failed", "cancelled",
+]  # fmt: skip
+"""Where a run is, in one word: its sandbox's placement while it has not settled (`finishing` once
+the sandbox is released, `lost` with its dispatcher), then the furthest stage recorded (`failed` or
+`cancelled` when its execution was)."""
 
 
 class LaneWaiting(msgspec.Struct, frozen=True, kw_only=True):
