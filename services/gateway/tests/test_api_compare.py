@@ -391,7 +391,15 @@ async def test_only_a_succeeded_batch_of_the_suite_can_be_a_baseline(
     cancelled = new_id()
     events = batch_events(cancelled, spec, {("a", None): "right"})
     events.insert(1, BatchCancelled(batch_id=cancelled, reason="superseded", by=good, superseded_by=good))
-    events += [  # b was cancelled before it started
+    events += [  # b was cancelled before it started (the dispatcher answers its request so)
+        CaseRequested(
+            batch_id=cancelled,
+            case_id="b",
+            run_id=batch_run_id(cancelled, "b"),
+            case=spec.suite.cases[1],
+            harness=spec.harness,
+            plan=CasePlan(suite_id=suite, submitted_by="alice"),
+        ),
         CaseExecuted(
             batch_id=cancelled,
             case_id="b",
