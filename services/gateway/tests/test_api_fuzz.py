@@ -323,7 +323,7 @@ def fan_out(gateway: ThreadedGateway, token: str, batch_id: str, body: Any) -> N
 
 
 def run_linked_scenarios(
-    gateway: ThreadedGateway, machine_name: str, token: str, scenarios: int
+    gateway: ThreadedGateway, machine_name: str, token: str, scenarios: int, *, derandomize: bool = True
 ) -> Counter[tuple[str, str]]:
     """Run machine `machine_name` against the gateway with `token` for `scenarios` scenarios: no
     response may fail a check (every failure is kept, whatever Hypothesis does next); the
@@ -362,7 +362,7 @@ def run_linked_scenarios(
         settings=hypothesis.settings(
             max_examples=scenarios,
             stateful_step_count=STATEFUL_STEPS,
-            derandomize=True,
+            derandomize=derandomize,
             deadline=None,
             database=None,
             suppress_health_check=list(hypothesis.HealthCheck),
@@ -373,6 +373,11 @@ def run_linked_scenarios(
     )
     assert not failures, "\n".join(failures)
     return followed
+
+
+ROUNDS = 3
+"""Rounds of scenarios a family gets before a required step still not taken fails the test (the
+first from the fixed seed, the others drawn afresh)."""
 
 
 def missing_steps(
@@ -409,8 +414,13 @@ def test_linked_sequences_as_admin(
 ) -> None:
     """Sequences along the links, as an admin (who may also apply and delete online suites): no 5xx,
     every 4xx naming its field, and every step of `REQUIRED_STEPS` really taken."""
-    followed = run_linked_scenarios(gateway, machine, gateway.gateway.admin_token, scenarios)
-    missing = missing_steps(machine, followed)
+    followed: Counter[tuple[str, str]] = Counter()
+    for round_ in range(ROUNDS):  # the state the scenarios meet depends on the module's earlier tests:
+        token = gateway.gateway.admin_token
+        followed += run_linked_scenarios(gateway, machine, token, scenarios, derandomize=round_ == 0)
+        missing = missing_steps(machine, followed)
+        if not missing:  # a required step may need another round of scenarios to be drawn
+            break
     assert not missing, f"never followed to a 2xx: {missing}; followed: {sorted(followed.items())}"
 
 
