@@ -40,6 +40,8 @@ from evalbus_contracts import (
     CaseResult,
     LlmCall,
     ObservationReceived,
+    ObservationSpans,
+    SpanData,
     encode,
     encode_token,
     sampled_by_trace_id,
@@ -328,8 +330,20 @@ async def test_collector_killed_mid_stream_loses_and_doubles_nothing(pipeline: P
 
     await eventually(all_judged, timeout_s=90, what="every trace judged after the restart", diagnostics=p.diagnostics)
     await p.quiescent(timeout_s=60)
-    info = await p.nc.jetstream().consumer_info("OBSERVATIONS", "collector-spans")
-    assert info.num_ack_pending == info.num_pending == 0
+
+    async def observations_acknowledged() -> bool:
+        # the killed replica may have stored every observation (or decided it) before its first
+        # ack: what it held comes back after ack_wait, to be acknowledged without a second output
+        # (and must not come back during the next test, under that test's suites)
+        infos = await p.nc.jetstream().consumers_info("OBSERVATIONS")
+        return all(info.num_ack_pending == info.num_pending == 0 for info in infos)
+
+    await eventually(
+        observations_acknowledged,
+        timeout_s=60,
+        what="every OBSERVATIONS message acknowledged",
+        diagnostics=p.diagnostics,
+    )
     counts = await stream_counts(p, (f"case.observed.{encode_token(suite_id)}.>", f"case.judged.online-{suite_id}.>"))
     observed = Counter({k: n for (kind, k), n in counts.items() if kind == "case.observed"})
     assert observed == Counter(dict.fromkeys(traces, 1))
@@ -439,6 +453,39 @@ async def test_a_trace_split_across_two_collector_replicas_is_assembled_whole_an
         assert mine == [("judged", "judged"), ("sampled", "sampled")], (trace_id, answer)
         lates = [f for f in answer["fates"] if f["fate"] == "late"]
         assert len(lates) == (1 if trace_id in late else 0), answer
+
+
+async def test_a_span_batch_on_the_older_per_service_subject_is_still_assembled(pipeline: Pipeline) -> None:
+    """A batch a collector from before split-trace assembly stored (on `obs.spans.<service>`, no
+    trace token) during a rolling upgrade: assembled from what the replica holds, and judged."""
+    p = pipeline
+    suite_id = f"legacy-{uuid.uuid4().hex[:6]}"
+    await apply_suite(p, suite_id, 1.0)
+    trace_id = uuid.uuid4().hex
+    root = SpanData(
+        trace_id=trace_id,
+        span_id=uuid.uuid4().hex[:16],
+        name="handle-request",
+        start_ns=time.time_ns(),
+        end_ns=time.time_ns() + 1_000_000,
+        attributes={"input.value": "legacy question", "output.value": "Thank you (legacy)"},
+    )
+    batch = ObservationSpans(
+        target="support-bot",
+        trace_id=trace_id,
+        spans=(root,),
+        resource={"service.name": "support-bot", "deployment.environment": "prod"},
+    )
+    assert batch.subject() == "obs.spans.support-bot"
+    await p.nc.jetstream().publish(batch.subject(), encode(batch), headers={"Nats-Msg-Id": batch.msg_id()})
+
+    async def judged_once() -> bool:
+        return await judged(p, suite_id) == 1
+
+    await eventually(judged_once, timeout_s=60, what="the legacy batch judged", diagnostics=p.diagnostics)
+    _, answer = await api(p, "GET", f"/v1/online/observations/{trace_id}")
+    mine = sorted((f["fate"], f["reason"]) for f in answer["fates"] if f["suite_id"] == suite_id)
+    assert mine == [("judged", "judged"), ("sampled", "sampled")], answer
 
 
 async def test_an_observation_the_judge_gives_up_on_is_dead_lettered_with_its_reason(pipeline: Pipeline) -> None:

@@ -86,7 +86,7 @@ class OnlineIngest:
     async def _start(self, service: Service) -> None:
         await self.rates.start(service.js, service.settings.stream_replicas)
         await self.suites.start(service.js)
-        await self.traces.start(service.js, service.settings.stream_replicas)
+        await self.traces.start(service.nc, service.js, service.settings.stream_replicas)
         try:
             await self.clock.calibrate(service.nc)
         except Exception as e:  # the local clock meanwhile; calibrated again every 30 s
@@ -167,8 +167,8 @@ class OnlineIngest:
         # the trace is due by `now`, that batch is late by the cut's own rule, on every replica.
         now = self.clock.now_ns()
         batches = list(trace.local.values())
-        if trace.trace_subject:
-            batches += await self.traces.batches(trace.subject)
+        if trace.trace_subject and await self.traces.count(trace.subject) != len(trace.local):
+            batches += await self.traces.batches(trace.subject)  # batches held elsewhere (or gone)
         view = self.assembler.cut(batches)
         if now < view.due_ns:
             if not view.root_ended:

@@ -3,7 +3,8 @@ of traces already assembled, and the bus's clock.
 
 - `TraceStore.batches(subject)` reads every span batch stored on a trace's subject in the
   `OBSERVATIONS` stream (message gets by subject, in stream order), with the time JetStream stored
-  each — whichever replica holds them.
+  each — whichever replica holds them. `TraceStore.count(subject)` first asks how many there are
+  (one stream-info request): usually only the batches this replica holds, which it need not read.
 - `TraceStore.record` / `assembled`: the `ONLINE_TRACES` key-value bucket, one key per trace holding
   the last stream sequence its observation includes. Written with a create (compare-and-set): the
   first record stands. Kept as long as the observation's dedup window (`OBSERVATIONS`'
@@ -24,6 +25,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
+import msgspec
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
@@ -59,6 +61,17 @@ def rfc3339_ns(text: str) -> int:
     return (whole - _EPOCH) // timedelta(seconds=1) * NS + int((fraction + "0" * 9)[:9])
 
 
+class _State(msgspec.Struct, frozen=True):
+    subjects: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+class _SubjectCounts(msgspec.Struct, frozen=True):
+    """The part of a stream-info answer `TraceStore.count` reads."""
+
+    state: _State = msgspec.field(default_factory=_State)
+    error: dict[str, object] | None = None
+
+
 def _key(target: str, trace_id: str) -> str:
     # keys allow few characters: the service is named by a digest
     return f"{hashlib.sha256(target.encode()).hexdigest()[:16]}.{trace_id}"
@@ -69,11 +82,13 @@ class TraceStore:
 
     def __init__(self, stream: str = OBSERVATIONS.name) -> None:
         self._stream = stream
+        self._nc: NatsClient | None = None
         self._js: JetStreamContext | None = None
         self._kv: KeyValue | None = None
 
-    async def start(self, js: JetStreamContext, replicas: int = 1) -> None:
+    async def start(self, nc: NatsClient, js: JetStreamContext, replicas: int = 1) -> None:
         """Open the record bucket (created with `replicas` replicas when missing)."""
+        self._nc = nc
         self._js = js
         self._kv = await open_bucket(js, TRACES_BUCKET, replicas)
 
@@ -100,6 +115,21 @@ class TraceStore:
                 continue
             if isinstance(event, ObservationSpans) and msg.time is not None:
                 out.append(StoredBatch(seq=msg.seq, stored_ns=datetime_ns(msg.time), batch=event))
+
+    async def count(self, subject: str) -> int:
+        """How many messages the stream holds on `subject` (one stream-info request: when it is the
+        number of batches this replica holds, they are the whole view and need not be read)."""
+        if self._nc is None:
+            raise TraceStoreUnavailableError("the trace store is not open")
+        request = msgspec.json.encode({"subjects_filter": subject})
+        try:
+            answer = await self._nc.request(f"$JS.API.STREAM.INFO.{self._stream}", request, timeout=5)
+            info = msgspec.json.decode(answer.data, type=_SubjectCounts)
+        except Exception as e:
+            raise TraceStoreUnavailableError(f"counting {subject}: {e}") from e
+        if info.error is not None:
+            raise TraceStoreUnavailableError(f"counting {subject}: {info.error}")
+        return info.state.subjects.get(subject, 0)
 
     async def assembled(self, target: str, trace_id: str) -> int | None:
         """The last stream sequence of the trace's stored observation, when it is recorded."""
