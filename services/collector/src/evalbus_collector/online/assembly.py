@@ -7,7 +7,8 @@ several requests land on different replicas. Rather than route a trace to one re
 hash ring: state to fence and rebalance), the stream itself is the index: the receiver publishes
 each batch on the trace's own subject, and a replica deciding its trace may be whole reads every
 batch stored on that subject (`TraceStore.batches`: the batches not yet acknowledged, in stream
-order, with the times JetStream stored them).
+order, with the times JetStream stored them) — after counting them (`TraceStore.count`), since
+usually the batches it holds itself are all there are.
 
 The cut. Assembly is a pure function of that ordered, server-timestamped log (`cut`): walking it in
 stream order, a batch belongs to the trace unless it came after the trace was already whole — its
