@@ -576,7 +576,19 @@ async def store_outage(
             outcomes[outcome.value] = outcomes.get(outcome.value, 0) + 1
         return outcomes
 
-    async def outage(started: float) -> tuple[int, float, float]:
+    async def drained(back_at: float) -> float | None:
+        """When every observation recorded up to `back_at` is judged in the store: watched while
+        the load goes on (a watch started only after the load would floor the catch-up at the
+        load's remaining seconds)."""
+        backlog = [t for t, when in zip(ids, at, strict=False) if when <= back_at]
+        deadline = back_at + max(120.0, args.outage_s * 10)
+        while clock() < deadline:
+            if await judged_in_store(infra.database_url, batch_id, backlog) == len(backlog):
+                return clock()
+            await asyncio.sleep(0.1)
+        return None
+
+    async def outage(started: float) -> tuple[int, float, float, float | None]:
         await asyncio.sleep(max(0.0, started + args.outage_at - clock()))  # the fault's schedule
         down_at = clock()
         terminated = await refuse_connections(infra.admin_url, infra.database_url, True)
@@ -584,21 +596,19 @@ async def store_outage(
             await asyncio.sleep(args.outage_s)  # the fault's duration
         finally:
             await refuse_connections(infra.admin_url, infra.database_url, False)
-        return terminated, down_at, clock()
+        back_at = clock()
+        return terminated, down_at, back_at, await drained(back_at)
 
     started = clock()
-    outcomes, (terminated, down_at, back_at) = await asyncio.gather(load(started), outage(started))
+    outcomes, (terminated, down_at, back_at, drained_at) = await asyncio.gather(load(started), outage(started))
     backlog = [t for t, when in zip(ids, at, strict=True) if when <= back_at]
     deadline = back_at + max(120.0, args.outage_s * 10)
-    drained_at = caught_up_at = None
+    caught_up_at = None
     judged = 0
     while clock() < deadline:
-        if drained_at is None and await judged_in_store(infra.database_url, batch_id, backlog) == len(backlog):
-            drained_at = clock()
         judged = await judged_in_store(infra.database_url, batch_id, ids)
         if judged == n:
             caught_up_at = clock()
-            drained_at = drained_at or caught_up_at
             break
         await asyncio.sleep(0.1)
     stats = await asyncio.to_thread(recorder.close, 30)

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import nats
 import nats.errors
 import pytest
@@ -205,7 +206,7 @@ async def test_the_collector_dispatcher_and_gateway_start_with_their_own_users(
 ) -> None:
     caplog.set_level(logging.WARNING)
     collector = Service(CollectorSettings(service="collector", nats_url=secure_nats.url("collector"), http_port=0))
-    build_collector(collector, CollectorSettings(service="collector", otlp_port=0))
+    online = build_collector(collector, CollectorSettings(service="collector", otlp_port=0, settle_s=0.2))
     dispatcher_settings = DispatcherSettings(service="dispatcher", slots=1, workdir_root=str(tmp_path / "work"))
     dispatcher = Service(
         DispatcherSettings(service="dispatcher", nats_url=secure_nats.url("dispatcher"), http_port=0, slots=1)
@@ -216,8 +217,28 @@ async def test_the_collector_dispatcher_and_gateway_start_with_their_own_users(
     )
     gateway = Service(gateway_settings)
     build_gateway(gateway, gateway_settings)
-    async with running(collector), running(dispatcher), running(gateway):
-        pass
+    async with running(collector), running(dispatcher), running(gateway), connect_as(secure_nats, "admin") as (nc, _):
+        # a trace through the collector's online path with its own user: spans stored on the
+        # trace's subject, read back from the stream, its assembly recorded, its fate published
+        trace_id = uuid.uuid4().hex
+        fates: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def on_fate(msg: Msg) -> None:
+            await fates.put(msg.data)
+
+        sub = await nc.subscribe(f"online.fate.{trace_id}", cb=on_fate)
+        span = {"traceId": trace_id, "spanId": uuid.uuid4().hex[:16], "name": "root", "startTimeUnixNano": "1"}
+        span["endTimeUnixNano"] = "2"
+        body = {"resourceSpans": [{"scopeSpans": [{"spans": [span]}]}]}
+        assert online.receiver is not None
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(f"http://127.0.0.1:{online.receiver.port}/v1/traces", json=body) as resp,
+        ):
+            assert resp.status == 200, await resp.text()
+        fate = decode_event(await asyncio.wait_for(fates.get(), 30))
+        assert (fate.type, getattr(fate, "reason", None)) == ("online.fate", "no_suite")
+        await sub.unsubscribe()
     assert no_violations(caplog) == []
 
 

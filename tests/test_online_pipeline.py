@@ -17,8 +17,8 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
-from datetime import datetime
+from collections.abc import AsyncIterator, Sequence
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +26,26 @@ import aiohttp
 import pytest
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from evalbus.testing.chat_server import ChatCompletionsServer
 from evalbus.testing.pipeline import Pipeline, eventually, open_pipeline, read_stream
-from evalbus_contracts import CaseObserved, CasePlan, CaseResult, encode, encode_token, sampled_by_trace_id
+from evalbus_contracts import (
+    CaseObserved,
+    CasePlan,
+    CaseResult,
+    LlmCall,
+    ObservationReceived,
+    ObservationSpans,
+    SpanData,
+    encode,
+    encode_token,
+    sampled_by_trace_id,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -317,8 +330,20 @@ async def test_collector_killed_mid_stream_loses_and_doubles_nothing(pipeline: P
 
     await eventually(all_judged, timeout_s=90, what="every trace judged after the restart", diagnostics=p.diagnostics)
     await p.quiescent(timeout_s=60)
-    info = await p.nc.jetstream().consumer_info("OBSERVATIONS", "collector-spans")
-    assert info.num_ack_pending == info.num_pending == 0
+
+    async def observations_acknowledged() -> bool:
+        # the killed replica may have stored every observation (or decided it) before its first
+        # ack: what it held comes back after ack_wait, to be acknowledged without a second output
+        # (and must not come back during the next test, under that test's suites)
+        infos = await p.nc.jetstream().consumers_info("OBSERVATIONS")
+        return all(info.num_ack_pending == info.num_pending == 0 for info in infos)
+
+    await eventually(
+        observations_acknowledged,
+        timeout_s=60,
+        what="every OBSERVATIONS message acknowledged",
+        diagnostics=p.diagnostics,
+    )
     counts = await stream_counts(p, (f"case.observed.{encode_token(suite_id)}.>", f"case.judged.online-{suite_id}.>"))
     observed = Counter({k: n for (kind, k), n in counts.items() if kind == "case.observed"})
     assert observed == Counter(dict.fromkeys(traces, 1))
@@ -329,6 +354,138 @@ async def test_collector_killed_mid_stream_loses_and_doubles_nothing(pipeline: P
         mine = sorted((f["fate"], f["reason"]) for f in answer["fates"] if f["suite_id"] == suite_id)
         assert mine == [("judged", "judged"), ("sampled", "sampled")], (trace_id, answer)
         assert not [f for f in answer["fates"] if f["fate"] == "late"], answer
+
+
+def split_request(trace_id: str, spans: Sequence[tuple[str, str | None, str]]) -> bytes:
+    """An OTLP/HTTP protobuf export request of `spans` (span id, parent id, model) of one trace of
+    support-bot in prod; the root span (no parent) carries the conversation."""
+    request = ExportTraceServiceRequest()
+    resource_spans = request.resource_spans.add()
+    for key, value in (("service.name", "support-bot"), ("deployment.environment", "prod")):
+        resource_spans.resource.attributes.add(key=key, value=AnyValue(string_value=value))
+    scope = resource_spans.scope_spans.add()
+    for span_id, parent, model in spans:
+        span = scope.spans.add(
+            trace_id=bytes.fromhex(trace_id),
+            span_id=bytes.fromhex(span_id),
+            parent_span_id=bytes.fromhex(parent) if parent else b"",
+            name="handle-request" if parent is None else "llm",
+            start_time_unix_nano=time.time_ns(),
+            end_time_unix_nano=time.time_ns() + 1_000_000,
+        )
+        if parent is None:
+            span.attributes.add(key="input.value", value=AnyValue(string_value=f"question of {trace_id}"))
+            span.attributes.add(key="output.value", value=AnyValue(string_value="Thank you, it ships."))
+        else:
+            span.attributes.add(key="gen_ai.request.model", value=AnyValue(string_value=model))
+    return bytes(request.SerializeToString())
+
+
+async def export(session: aiohttp.ClientSession, base_url: str, body: bytes) -> None:
+    async with session.post(
+        f"{base_url}/v1/traces", data=body, headers={"Content-Type": "application/x-protobuf"}
+    ) as resp:
+        assert resp.status == 200, await resp.text()
+
+
+async def test_a_trace_split_across_two_collector_replicas_is_assembled_whole_and_judged_once(
+    pipeline: Pipeline,
+) -> None:
+    """Two collector replicas behind two addresses; each trace's spans are exported in two requests,
+    half to each (the root sometimes in the first, sometimes in the second). Each trace becomes
+    exactly one observation holding every span — whichever replica assembled it — judged once,
+    and a span sent to either replica after its trace was assembled is counted late, not judged."""
+    p = pipeline
+    suite_id = f"split-{uuid.uuid4().hex[:6]}"
+    await apply_suite(p, suite_id, 1.0)
+    await p.start("collector@2", COLLECTOR_SETTLE_S="0.5", COLLECTOR_MAX_WAIT_S="20")
+    urls = [p.stack.otlp_url, p.stack.otlp_url_of("collector@2")]
+    traces: dict[str, set[str]] = {}
+    try:
+        async with aiohttp.ClientSession() as session:
+            for i in range(8):
+                trace_id = uuid.uuid4().hex
+                root = uuid.uuid4().hex[:16]
+                children: list[tuple[str, str | None, str]] = [
+                    (uuid.uuid4().hex[:16], root, f"m-{i}-{k}") for k in range(4)
+                ]
+                traces[trace_id] = {model for _, _, model in children}
+                first: list[tuple[str, str | None, str]] = [(root, None, ""), *children[:2]]
+                second = children[2:]
+                if i % 2:
+                    first, second = second, first
+                # the halves go to different replicas, in either order, one right after the other
+                await export(session, urls[i % 2], split_request(trace_id, first))
+                await export(session, urls[(i + 1) % 2], split_request(trace_id, second))
+
+            async def all_judged() -> bool:
+                return await judged(p, suite_id) == len(traces)
+
+            await eventually(all_judged, timeout_s=90, what="every split trace judged", diagnostics=p.diagnostics)
+            # late spans: one to each replica, after their traces were assembled
+            late = list(traces)[:2]
+            for n, trace_id in enumerate(late):
+                straggler = [(uuid.uuid4().hex[:16], "00000000000000aa", "m-late")]
+                await export(session, urls[n], split_request(trace_id, straggler))
+
+            async def late_counted() -> bool:
+                for trace_id in late:
+                    _, answer = await api(p, "GET", f"/v1/online/observations/{trace_id}")
+                    if not any(f["fate"] == "late" for f in answer["fates"]):
+                        return False
+                return True
+
+            await eventually(late_counted, timeout_s=60, what="the late spans counted", diagnostics=p.diagnostics)
+        await p.quiescent(timeout_s=60)
+    finally:
+        await p.kill("collector@2")
+    events = [m.event() for m in await read_stream(p.nc, "CASES", (f"case.observed.{encode_token(suite_id)}.>",))]
+    observed = [e for e in events if isinstance(e, CaseObserved)]
+    assert Counter(e.observation_id for e in observed) == Counter(dict.fromkeys(traces, 1))
+    for event in observed:
+        models = {e.model for e in event.result.trace if isinstance(e, LlmCall)}
+        assert models == traces[event.observation_id], "an observation assembled from part of its trace"
+    counts = await stream_counts(p, (f"case.judged.online-{suite_id}.>",))
+    assert Counter({k: n for (_, k), n in counts.items()}) == Counter(dict.fromkeys(traces, 1))
+    for trace_id in traces:
+        _, answer = await api(p, "GET", f"/v1/online/observations/{trace_id}")
+        mine = sorted((f["fate"], f["reason"]) for f in answer["fates"] if f["suite_id"] == suite_id)
+        assert mine == [("judged", "judged"), ("sampled", "sampled")], (trace_id, answer)
+        lates = [f for f in answer["fates"] if f["fate"] == "late"]
+        assert len(lates) == (1 if trace_id in late else 0), answer
+
+
+async def test_a_span_batch_on_the_older_per_service_subject_is_still_assembled(pipeline: Pipeline) -> None:
+    """A batch a collector from before split-trace assembly stored (on `obs.spans.<service>`, no
+    trace token) during a rolling upgrade: assembled from what the replica holds, and judged."""
+    p = pipeline
+    suite_id = f"legacy-{uuid.uuid4().hex[:6]}"
+    await apply_suite(p, suite_id, 1.0)
+    trace_id = uuid.uuid4().hex
+    root = SpanData(
+        trace_id=trace_id,
+        span_id=uuid.uuid4().hex[:16],
+        name="handle-request",
+        start_ns=time.time_ns(),
+        end_ns=time.time_ns() + 1_000_000,
+        attributes={"input.value": "legacy question", "output.value": "Thank you (legacy)"},
+    )
+    batch = ObservationSpans(
+        target="support-bot",
+        trace_id=trace_id,
+        spans=(root,),
+        resource={"service.name": "support-bot", "deployment.environment": "prod"},
+    )
+    assert batch.subject() == "obs.spans.support-bot"
+    await p.nc.jetstream().publish(batch.subject(), encode(batch), headers={"Nats-Msg-Id": batch.msg_id()})
+
+    async def judged_once() -> bool:
+        return await judged(p, suite_id) == 1
+
+    await eventually(judged_once, timeout_s=60, what="the legacy batch judged", diagnostics=p.diagnostics)
+    _, answer = await api(p, "GET", f"/v1/online/observations/{trace_id}")
+    mine = sorted((f["fate"], f["reason"]) for f in answer["fates"] if f["suite_id"] == suite_id)
+    assert mine == [("judged", "judged"), ("sampled", "sampled")], answer
 
 
 async def test_an_observation_the_judge_gives_up_on_is_dead_lettered_with_its_reason(pipeline: Pipeline) -> None:
@@ -478,6 +635,64 @@ async def test_a_rate_cap_and_a_delay_hold_for_a_suite(pipeline: Pipeline) -> No
         assert reasons["sampled"] == min(3, decided_n), (minute, reasons)
     sampled = sum(r["sampled"] for r in per_minute.values())
     assert await judged(p, suite_id) == sampled
+
+
+async def test_the_delay_before_judging_holds_whatever_the_application_clock_says(pipeline: Pipeline) -> None:
+    """A suite deciding 2 s after receipt; observations published straight to `obs.received` whose
+    own timestamps are 5 minutes ahead and 5 minutes behind (a skewed application clock). The
+    delay runs on the bus's clock — from when JetStream stored each — so each is decided after 2 s,
+    neither skipped (the clock behind) nor held 5 minutes more (the clock ahead)."""
+    p = pipeline
+    suite_id = f"skew-{uuid.uuid4().hex[:6]}"
+    status, applied = await api(
+        p,
+        "POST",
+        "/v1/online/suites",
+        {
+            "id": suite_id,
+            "target": {"service": "skewed-bot"},
+            "delay_s": 2.0,
+            "judges": [{"kind": "regex", "id": "polite", "pattern": "(?i)thank"}],
+        },
+    )
+    assert status == 201, applied
+    probe = application(p.stack.otlp_url, "skewed-bot")
+    probe_trace = await asyncio.to_thread(serve_request, probe, "ping", "Thanks")
+    probe.shutdown()
+
+    async def fate_of(trace_id: str) -> dict[str, Any] | None:
+        _, answer = await api(p, "GET", f"/v1/online/observations/{trace_id}")
+        return next((f for f in answer["fates"] if f["suite_id"] == suite_id and f["fate"] == "sampled"), None)
+
+    async def known() -> bool:
+        return await fate_of(probe_trace) is not None
+
+    await eventually(known, timeout_s=60, what="the collector to know the suite", diagnostics=p.diagnostics)
+    js = p.nc.jetstream()
+    published: dict[str, float] = {}
+    for skew in (timedelta(minutes=5), timedelta(minutes=-5)):
+        trace_id = uuid.uuid4().hex
+        obs = ObservationReceived(
+            target="skewed-bot",
+            observation_id=trace_id,
+            trace_id=trace_id,
+            input="where is my order?",
+            output="Thank you, it ships.",
+            ts=datetime.now(UTC) + skew,
+        )
+        before = time.time()
+        await js.publish(obs.subject(), encode(obs), headers={"Nats-Msg-Id": obs.msg_id()})
+        published[trace_id] = before
+
+    async def decided() -> bool:
+        return all([await fate_of(t) is not None for t in published])
+
+    await eventually(decided, timeout_s=30, what="both observations decided", diagnostics=p.diagnostics)
+    for trace_id, before in published.items():
+        fate = await fate_of(trace_id)
+        assert fate is not None
+        waited = datetime.fromisoformat(fate["at"]).timestamp() - before
+        assert 2.0 <= waited < 10.0, (trace_id, waited)
 
 
 async def test_a_daily_budget_stops_model_judges_and_spares_rule_judges(pipeline: Pipeline) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from datetime import UTC, datetime
 
 import pytest
 from hypothesis import given, settings
@@ -16,11 +17,12 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtlpSpan
 from opentelemetry.sdk.trace.sampling import Decision, TraceIdRatioBased
 
-from evalbus_collector.online.assembly import TraceAssembler
+from evalbus_collector.online.assembly import NS, StoredBatch, TraceAssembler, cut
 from evalbus_collector.online.decide import decide, observed_run_id, sampling_key
 from evalbus_collector.online.observation import observation_of
 from evalbus_collector.online.otlp_ingest import OtlpRequestError, ingest_request, read_body
 from evalbus_collector.online.receiver import split_batch
+from evalbus_collector.online.trace_store import datetime_ns, rfc3339_ns
 from evalbus_contracts import (
     Message,
     ObservationReceived,
@@ -303,10 +305,12 @@ def test_large_span_batches_are_split_under_the_message_limit() -> None:
 
 
 class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
+    """Bus time in nanoseconds, moved by hand."""
 
-    def __call__(self) -> float:
+    def __init__(self) -> None:
+        self.now = 100 * NS
+
+    def __call__(self) -> int:
         return self.now
 
 
@@ -315,45 +319,82 @@ def span(span_id: str, parent: str | None = None, end: int | None = 2) -> SpanDa
 
 
 def batch(*spans: SpanData) -> ObservationSpans:
-    return ObservationSpans(target="support-bot", trace_id=TRACE, spans=spans)
+    return ObservationSpans(target="support-bot", trace_id=TRACE, spans=spans, trace_subject=True)
 
 
-def test_a_trace_is_whole_once_its_root_ended_and_it_settled() -> None:
+def stored(seq: int, at_s: float, *spans: SpanData) -> StoredBatch:
+    return StoredBatch(seq=seq, stored_ns=int(at_s * NS), batch=batch(*spans))
+
+
+SUBJECT = f"obs.spans.support-bot.{TRACE}"
+
+
+def test_a_trace_is_whole_once_its_root_ended_and_nothing_came_for_settle_s() -> None:
+    child, root = stored(1, 100, span(CHILD, ROOT)), stored(7, 110, span(ROOT))
+    view = cut([child], settle_ns=5 * NS, max_wait_ns=60 * NS)
+    assert (view.root_ended, view.due_ns) == (False, 160 * NS)  # no root yet: up to max_wait_s
+    view = cut([root, child], settle_ns=5 * NS, max_wait_ns=60 * NS)  # any order in: stream order out
+    assert (view.included, view.late, view.root_ended, view.due_ns) == ((child, root), (), True, 115 * NS)
+    assert view.last_seq == 7
+    assert {s.span_id for s in view.spans()} == {ROOT, CHILD}
+
+
+def test_what_came_after_the_trace_was_whole_is_late_the_same_for_every_reader() -> None:
+    root, child = stored(1, 100, span(ROOT)), stored(2, 104.9, span(CHILD, ROOT))
+    after_settle = stored(3, 110, span("0000000000000009", ROOT))
+    straggler = stored(4, 110.1, span("000000000000000a", ROOT))
+    view = cut([straggler, after_settle, child, root], settle_ns=5 * NS, max_wait_ns=60 * NS)
+    assert (view.included, view.late) == ((root, child), (after_settle, straggler))
+    # without an ended root the trace is whole max_wait_s after its first batch
+    open_root = stored(1, 100, span(ROOT, end=None))
+    late = stored(6, 160, span(CHILD, ROOT))
+    view = cut(
+        [open_root, stored(5, 159.9, span("000000000000000b", ROOT)), late], settle_ns=5 * NS, max_wait_ns=60 * NS
+    )
+    assert [b.seq for b in view.included] == [1, 5]
+    assert view.late == (late,)
+    assert cut([], settle_ns=1, max_wait_ns=1).last_seq == 0
+
+
+def test_the_assembler_wakes_a_trace_when_it_may_be_whole_and_again_as_scheduled() -> None:
     clock = Clock()
     asm = TraceAssembler(settle_s=5, max_wait_s=60, clock=clock)
-    trace, owner = asm.add(batch(span(CHILD, ROOT)))
+    trace, owner = asm.add(StoredBatch(seq=3, stored_ns=clock.now, batch=batch(span(CHILD, ROOT))), SUBJECT)
     assert owner
-    clock.now += 10
-    assert asm.due() == []  # no root yet: waits (up to max_wait_s)
-    _, second_owner = asm.add(batch(span(ROOT)))
-    assert not second_owner
-    clock.now += 4.9
-    assert asm.due() == []  # a span came 4.9 s ago
-    clock.now += 0.2
-    assert asm.due() == [trace]
-    assert trace.whole.is_set()
-    assert set(trace.spans) == {ROOT, CHILD}
-    asm.finish(trace)
-    assert asm.pending == 0
-    assert asm.is_late(batch(span("0000000000000009", ROOT)))
-
-
-def test_a_trace_without_an_ended_root_is_whole_after_max_wait() -> None:
-    clock = Clock()
-    asm = TraceAssembler(settle_s=5, max_wait_s=60, clock=clock)
-    trace, _ = asm.add(batch(span(ROOT, end=None)))
-    clock.now += 59
+    assert trace.trace_subject
+    assert trace.subject == SUBJECT
+    clock.now += int(4.9 * NS)
     assert asm.due() == []
-    clock.now += 1
+    clock.now += int(0.2 * NS)
+    assert asm.due() == [trace]  # maybe whole: the owner reads the stream
+    assert trace.wake.is_set()
+    trace.wake.clear()
+    # the stream has no root either (held by another replica, or not sent yet): look again within settle_s
+    asm.schedule(trace, asm.cut(list(trace.local.values())))
+    clock.now += 4 * NS
+    assert asm.due() == []
+    clock.now += 1 * NS
     assert asm.due() == [trace]
-
-
-def test_an_abandoned_trace_is_not_late_when_its_batches_come_again() -> None:
-    asm = TraceAssembler(clock=Clock())
-    trace, _ = asm.add(batch(span(ROOT)))
-    asm.abandon(trace)
-    assert not asm.is_late(batch(span(ROOT)))
+    _, second = asm.add(StoredBatch(seq=9, stored_ns=clock.now, batch=batch(span(ROOT))), SUBJECT)
+    assert not second
+    asm.finish(trace, 9)
     assert asm.pending == 0
+    assert asm.assembled(batch(span("0000000000000009", ROOT))) == 9
+
+
+def test_an_abandoned_trace_is_not_remembered_when_its_batches_come_again() -> None:
+    clock = Clock()
+    asm = TraceAssembler(clock=clock)
+    trace, _ = asm.add(StoredBatch(seq=1, stored_ns=clock.now, batch=batch(span(ROOT))), SUBJECT)
+    asm.abandon(trace)
+    assert asm.assembled(batch(span(ROOT))) is None
+    assert asm.pending == 0
+
+
+def test_bus_times_read_to_the_nanosecond() -> None:
+    assert rfc3339_ns("2026-12-01T15:25:57.94966555Z") == 1_796_138_757_949_665_550
+    assert rfc3339_ns("2026-12-01T15:25:57Z") == 1_796_138_757 * NS
+    assert datetime_ns(datetime(2026, 12, 1, 15, 25, 57, 949665, tzinfo=UTC)) == 1_796_138_757_949_665_000
 
 
 def test_an_assembled_trace_maps_to_an_observation() -> None:

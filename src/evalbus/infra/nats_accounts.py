@@ -149,11 +149,12 @@ SERVICES: tuple[ServiceUser, ...] = (
         ),
         reads=("CASES",),
         finds_streams=True,
-        direct_gets=("KV_ONLINE_RATES",),
+        direct_gets=("KV_ONLINE_RATES", "KV_ONLINE_TRACES"),
         publish_extra=(
             Grant("$KV.ONLINE_RATES.>", "online suites' rate caps, counted across replicas (online/rates.py)"),
+            Grant("$KV.ONLINE_TRACES.>", "assembled traces, recorded for every replica (online/trace_store.py)"),
         ),
-        own_streams=("KV_ONLINE_RATES",),
+        own_streams=("KV_ONLINE_RATES", "KV_ONLINE_TRACES"),
     ),
     ServiceUser(
         name="judge",

@@ -174,6 +174,11 @@ class ServiceStack:
         """Base URL of the collector's OTLP/HTTP receiver (`<url>/v1/traces`)."""
         return f"http://127.0.0.1:{self.otlp_port}"
 
+    def otlp_url_of(self, name: str) -> str:
+        """Base URL of the OTLP/HTTP receiver of collector replica `name` (`collector@2`...)."""
+        port = self.otlp_port if name == "collector" else self._otlp_ports[name]
+        return f"http://127.0.0.1:{port}"
+
     @property
     def gateway_url(self) -> str:
         """Base URL of the gateway."""

@@ -371,10 +371,15 @@ class ObservationSpans(_Event, frozen=True, kw_only=True, tag="obs.spans"):
     resource: dict[str, str] = msgspec.field(default_factory=dict)
     """Resource attributes of the exporting application, as text."""
     received_ns: int = 0
-    """When the collector received them, Unix nanoseconds."""
+    """When the collector received them, Unix nanoseconds (the receiving replica's clock: assembly
+    judges time by JetStream's timestamps, not by this)."""
+    trace_subject: bool = False
+    """Published on the trace's own subject, `obs.spans.<target>.<trace>`, so any collector replica
+    reads every batch of the trace from the stream (receivers since split-trace assembly). False:
+    the older per-service subject `obs.spans.<target>`, assembled from the batches one replica holds."""
 
     def subject(self) -> str:
-        return s.spans_subject(self.target)
+        return s.spans_subject(self.target, self.trace_id if self.trace_subject else None)
 
     def msg_id(self) -> str:
         return f"{self.type}:{self.trace_id}:{self.event_id}"

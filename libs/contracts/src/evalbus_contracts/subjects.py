@@ -77,9 +77,13 @@ def observation_subject(target: str) -> str:
     return f"{OBS_RECEIVED}.{encode_token(target)}"
 
 
-def spans_subject(target: str) -> str:
-    """`obs.spans.<target>`: OTLP spans the collector received, waiting to be assembled."""
-    return f"{OBS_SPANS}.{encode_token(target)}"
+def spans_subject(target: str, trace_id: str | None = None) -> str:
+    """`obs.spans.<target>.<trace>`: OTLP spans the collector received, waiting to be assembled; the
+    trace token lets any collector replica read every span batch of one trace from the stream.
+    Without a trace: `obs.spans.<target>`, the subject of collectors before it."""
+    if trace_id is None:
+        return f"{OBS_SPANS}.{encode_token(target)}"
+    return f"{OBS_SPANS}.{encode_token(target)}.{encode_token(trace_id)}"
 
 
 def online_suite_subject(suite_id: str) -> str:

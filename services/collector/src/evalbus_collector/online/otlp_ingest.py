@@ -219,6 +219,7 @@ def ingest_request(body: bytes, content_type: str | None, *, received_ns: int) -
                 spans=tuple(spans),
                 resource=dict(resource),
                 received_ns=received_ns,
+                trace_subject=True,
             )
         )
     return out

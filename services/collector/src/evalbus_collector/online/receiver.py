@@ -1,7 +1,7 @@
 """The OTLP/HTTP traces receiver: `POST /v1/traces` on the collector's OTLP port (4318 by default).
 
 A request is answered 200 only once every span batch it holds is stored in JetStream
-(`obs.spans.<service>`), so an export that got 200 survives any collector crash; assembly, sampling
+(`obs.spans.<service>.<trace>`), so an export that got 200 survives any collector crash; assembly, sampling
 and judging happen after, from the bus. Answers follow the OTLP/HTTP specification:
 
 - 200 with an `ExportTraceServiceResponse` in the request's encoding, carrying `partial_success`
@@ -20,12 +20,13 @@ import asyncio
 import logging
 import time
 
+import msgspec
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from prometheus_client import CollectorRegistry, Counter
 
 from evalbus_collector.online.otlp_ingest import PROTOBUF, IngestedRequest, OtlpRequestError, ingest_request, read_body
-from evalbus_contracts import ObservationSpans, encode
+from evalbus_contracts import ObservationSpans, encode, new_event_id
 from evalbus_runtime import Publisher, PublishFailedError
 
 log = logging.getLogger("evalbus.collector.otlp")
@@ -58,20 +59,8 @@ def split_batch(batch: ObservationSpans, limit: int = SPAN_BATCH_BYTES) -> list[
     if len(encode(batch)) <= limit or len(batch.spans) == 1:
         return [batch]
     half = len(batch.spans) // 2
-    first = ObservationSpans(
-        target=batch.target,
-        trace_id=batch.trace_id,
-        spans=batch.spans[:half],
-        resource=batch.resource,
-        received_ns=batch.received_ns,
-    )
-    second = ObservationSpans(
-        target=batch.target,
-        trace_id=batch.trace_id,
-        spans=batch.spans[half:],
-        resource=batch.resource,
-        received_ns=batch.received_ns,
-    )
+    first = msgspec.structs.replace(batch, spans=batch.spans[:half], event_id=new_event_id())
+    second = msgspec.structs.replace(batch, spans=batch.spans[half:], event_id=new_event_id())
     return split_batch(first, limit) + split_batch(second, limit)
 
 

@@ -1,7 +1,7 @@
 """Wiring of online evaluation in the collector: the OTLP receiver, the span-assembly stage
 (`collector-spans`), the sampling stage (`collector-observations`) and the suite registry.
 
-    obs.spans.<service>  ──assemble──▶  obs.received.<service>  ──decide──▶  case.observed + online.fate
+    obs.spans.<service>.<trace>  ──assemble──▶  obs.received.<service>  ──decide──▶  case.observed + online.fate
 """
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ from collections.abc import Sequence
 
 import msgspec
 
-from evalbus_collector.online.assembly import PendingTrace, TraceAssembler
+from evalbus_collector.online.assembly import NS, Cut, PendingTrace, StoredBatch, TraceAssembler
 from evalbus_collector.online.decide import dead_letter_fate, decide
 from evalbus_collector.online.observation import observation_of
 from evalbus_collector.online.rates import RateCaps, RateCapUnavailableError
 from evalbus_collector.online.receiver import OtlpReceiver, ReceiverMetrics
 from evalbus_collector.online.suites import SuiteRegistry
+from evalbus_collector.online.trace_store import BusClock, TraceStore, TraceStoreUnavailableError
 from evalbus_collector.settings import CollectorSettings
 from evalbus_contracts import DeadLetter, ObservationFate, ObservationReceived, ObservationSpans, encode, utcnow
 from evalbus_contracts.events import EventBase
@@ -47,10 +48,14 @@ class OnlineIngest:
         self._settings = settings
         self.suites = SuiteRegistry()
         self.rates = RateCaps()
-        self.assembler = TraceAssembler(settle_s=settings.settle_s, max_wait_s=settings.max_wait_s)
+        self.clock = BusClock()
+        self.traces = TraceStore()
+        self.assembler = TraceAssembler(
+            settle_s=settings.settle_s, max_wait_s=settings.max_wait_s, clock=self.clock.now_ns
+        )
         self._metrics = ReceiverMetrics(service.metrics.registry)
         self.receiver: OtlpReceiver | None = None
-        self._ticker: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     def wire(self) -> None:
         """Add the stages and the start / stop hooks to the service."""
@@ -81,7 +86,15 @@ class OnlineIngest:
     async def _start(self, service: Service) -> None:
         await self.rates.start(service.js, service.settings.stream_replicas)
         await self.suites.start(service.js)
-        self._ticker = asyncio.create_task(self.assembler.run_ticker(), name="trace-assembly")
+        await self.traces.start(service.nc, service.js, service.settings.stream_replicas)
+        try:
+            await self.clock.calibrate(service.nc)
+        except Exception as e:  # the local clock meanwhile; calibrated again every 30 s
+            log.warning("bus clock not calibrated: %s", e)
+        self._tasks = [
+            asyncio.create_task(self.assembler.run_ticker(), name="trace-assembly"),
+            asyncio.create_task(self.clock.run(service.nc), name="bus-clock"),
+        ]
         s = self._settings
         if s.otlp_port >= 0:
             self.receiver = OtlpReceiver(
@@ -97,42 +110,86 @@ class OnlineIngest:
     async def _stop(self, _: Service) -> None:
         if self.receiver is not None:
             await self.receiver.stop()
-        if self._ticker is not None:
-            self._ticker.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._ticker
+                await task
         await self.suites.stop()
 
     # ------------------------------------------------------------ stages
 
     async def on_spans(self, batch: ObservationSpans, delivery: Delivery) -> Sequence[EventBase]:
-        """Hold a span batch until its trace is whole; the trace's first batch publishes it."""
-        if self.assembler.is_late(batch):
-            return self._counted([_late(batch, f"{len(batch.spans)} spans after the trace was assembled")])
-        trace, owner = self.assembler.add(batch)
-        trace.redelivered |= delivery.num_delivered > 1
-        if owner:
-            loop = asyncio.get_running_loop()
-            trace.published = loop.create_future()
-            trace.published.add_done_callback(_retrieve)
-        await trace.whole.wait()
-        assert trace.published is not None
+        """Hold a span batch until its trace is whole; the trace's first batch here decides it (from
+        the stream's view of the trace, `assembly`) and every batch is acknowledged after that."""
+        stored = StoredBatch(
+            seq=delivery.stream_seq,
+            stored_ns=delivery.stored_ns // 1000 * 1000 if delivery.stored_ns else self.clock.now_ns(),
+            batch=batch,
+        )
+        known = self.assembler.assembled(batch)
+        if known is not None:
+            return self._late_if_after(stored, known)
+        trace, owner = self.assembler.add(stored, delivery.subject)
         if not owner:
-            await asyncio.shield(trace.published)
-            return []
+            assert trace.outcome is not None
+            return self._late_if_after(stored, await asyncio.shield(trace.outcome))
+        trace.outcome = asyncio.get_running_loop().create_future()
+        trace.outcome.add_done_callback(_retrieve)
         try:
-            outputs = await self._publish(trace)
+            outputs: Sequence[EventBase] = ()
+            decided: int | None = None
+            while decided is None:
+                await trace.wake.wait()
+                trace.wake.clear()
+                decided, outputs = await self._settle(trace)
+            last_seq = decided
         except BaseException as e:
             self.assembler.abandon(trace)
-            if not trace.published.done():
-                trace.published.set_exception(e if isinstance(e, Exception) else RuntimeError("cancelled"))
+            if not trace.outcome.done():
+                trace.outcome.set_exception(e if isinstance(e, Exception) else RuntimeError("cancelled"))
+            if isinstance(e, TraceStoreUnavailableError):
+                raise Retry(str(e)) from e
             raise
-        self.assembler.finish(trace)
-        trace.published.set_result(None)
-        return self._counted(outputs)
+        self.assembler.finish(trace, last_seq)
+        trace.outcome.set_result(last_seq)
+        return [*self._counted(outputs), *self._late_if_after(stored, last_seq)]
 
-    async def _publish(self, trace: PendingTrace) -> Sequence[EventBase]:
-        obs = observation_of(trace.target, trace.trace_id, trace.spans.values(), trace.resource)
+    def _late_if_after(self, stored: StoredBatch, last_seq: int) -> list[EventBase]:
+        """Nothing for a batch the trace's observation includes; `late` for one after it."""
+        if stored.seq <= last_seq:
+            return []
+        return self._counted([_late(stored.batch, f"{len(stored.batch.spans)} spans after the trace was assembled")])
+
+    async def _settle(self, trace: PendingTrace) -> tuple[int | None, Sequence[EventBase]]:
+        """Look at `trace` in the stream: None (look again later, rescheduled), or the last stream
+        sequence of its stored observation and the events to publish with it."""
+        # `now` before the read: a batch the read misses was stored after it, so after `now`; if
+        # the trace is due by `now`, that batch is late by the cut's own rule, on every replica.
+        now = self.clock.now_ns()
+        batches = list(trace.local.values())
+        if trace.trace_subject and await self.traces.count(trace.subject) != len(trace.local):
+            batches += await self.traces.batches(trace.subject)  # batches held elsewhere (or gone)
+        view = self.assembler.cut(batches)
+        if now < view.due_ns:
+            if not view.root_ended:
+                # what is left of a trace another replica assembled (its batches acknowledged)?
+                standing = await self.traces.assembled(trace.target, trace.trace_id)
+                if standing is not None:
+                    return standing, ()
+            self.assembler.schedule(trace, view)
+            return None, ()
+        outputs, stored = await self._publish(trace, view)
+        if stored:
+            return await self.traces.record(trace.target, trace.trace_id, view.last_seq), outputs
+        standing = await self.traces.assembled(trace.target, trace.trace_id)
+        if standing is None:  # assembled before the record was written (a replica died between)
+            standing = await self.traces.record(trace.target, trace.trace_id, view.last_seq)
+        return standing, outputs
+
+    async def _publish(self, trace: PendingTrace, view: Cut) -> tuple[Sequence[EventBase], bool]:
+        """Publish the observation of `view`'s included batches: the events to publish with it and
+        whether this publish stored it (False: stored before, by this or another replica)."""
+        obs = observation_of(trace.target, trace.trace_id, view.spans(), view.resource())
         if len(encode(obs)) > self._settings.observation_max_bytes:
             return [
                 ObservationFate(
@@ -141,32 +198,19 @@ class OnlineIngest:
                     target=obs.target,
                     fate="dropped",
                     reason="too_large",
-                    detail=f"{len(trace.spans)} spans, over {self._settings.observation_max_bytes} bytes",
+                    detail=f"{len(view.spans())} spans, over {self._settings.observation_max_bytes} bytes",
                 )
-            ]
+            ], True
         ack = await self._service.publisher.publish_event(obs)
-        if ack.duplicate and not trace.redelivered:
-            # Assembled before (by another replica, or before a restart) and none of these spans
-            # was a redelivery: they came after the trace was judged complete.
-            return [
-                ObservationFate(
-                    observation_id=obs.observation_id,
-                    trace_id=obs.trace_id,
-                    target=obs.target,
-                    fate="late",
-                    reason="late_spans",
-                    detail=f"{len(trace.spans)} spans after the trace was assembled",
-                )
-            ]
-        return []
+        return (), not ack.duplicate
 
-    async def on_observation(self, obs: ObservationReceived, _: Delivery) -> Sequence[EventBase]:
+    async def on_observation(self, obs: ObservationReceived, delivery: Delivery) -> Sequence[EventBase]:
         """Decide an observation's fate for every suite; `case.observed` for each that samples it
         (within its rate cap), once the longest delay of the suites that sample it has passed."""
         suites = {s.id: s for s in self.suites.suites}
         decision = decide(obs, suites.values())
         sampled = [suites[o.suite_id] for o in decision.observed if o.suite_id in suites]
-        wait = max((s.delay_s for s in sampled), default=0.0) - (utcnow() - obs.ts).total_seconds()
+        wait = max((s.delay_s for s in sampled), default=0.0) - self._age_s(obs, delivery)
         if wait > 0:
             raise Retry(f"online suite delay: deciding in {wait:.1f} s", delay_s=wait)
         capped: set[str] = set()
@@ -180,6 +224,13 @@ class OnlineIngest:
                 raise Retry(f"rate counter unavailable: {e}") from e
         fates = self._counted(apply_caps(decision.fates, capped))
         return [*fates, *(o for o in decision.observed if o.suite_id not in capped)]
+
+    def _age_s(self, obs: ObservationReceived, delivery: Delivery) -> float:
+        """How long ago the observation was stored on the bus, by JetStream's clock (the sender's
+        clock, which `obs.ts` is, may be anything); by `obs.ts` only when the delivery does not say."""
+        if delivery.stored_ns:
+            return (self.clock.now_ns() - delivery.stored_ns) / NS
+        return (utcnow() - obs.ts).total_seconds()
 
     async def on_dead_letter(self, letter: DeadLetter, _: Delivery) -> Sequence[EventBase]:
         """An observation some service gave up on gets the fate `dead_lettered`; other letters are
@@ -205,6 +256,6 @@ def apply_caps(fates: Sequence[ObservationFate], capped: set[str]) -> list[Obser
     ]
 
 
-def _retrieve(future: asyncio.Future[None]) -> None:
+def _retrieve(future: asyncio.Future[int]) -> None:
     if not future.cancelled():
         future.exception()
