@@ -46,6 +46,7 @@ from evalbus_contracts.results import (
     Placement,
     PromptSnapshot,
     RepoSnapshot,
+    ResultPayload,
     Snapshot,
     TraceRef,
 )
@@ -220,6 +221,7 @@ __all__ = [
     "RegisteredJudge",
     "RegressionGate",
     "RepoSnapshot",
+    "ResultPayload",
     "Score",
     "ScriptScoreGrader",
     "SinkOutcome",

@@ -53,6 +53,10 @@ class ServiceSettings(msgspec.Struct, kw_only=True):
     stream_replicas: int = 1
     """Replicas of the streams and buckets this service creates (3 on a 3-node NATS cluster); an
     existing stream's replica count is never lowered."""
+    payload_inline_max_bytes: int = 256 * 1024
+    """Largest answer + trace + snapshot (encoded JSON), and largest log, an event carries inline;
+    above it they go to the `artifacts` object store bucket and the event names them
+    (`evalbus_runtime.payloads`). Must stay well under the bus's `max_payload`."""
     fault_kill: str | None = None
     """TEST ONLY: deterministic SIGKILL points, `<point>:<consumer>:<event type>:<run id>[;…]`
     (see `evalbus_runtime.faults`). Never set in a deployment."""

@@ -49,6 +49,7 @@ from evalbus_contracts import (
     utcnow,
 )
 from evalbus_contracts.results import FailureClass, FailureStage
+from evalbus_dispatcher.artifacts import RunObjects, is_declaration
 from evalbus_dispatcher.backends.base import Backend, HarnessRun, SandboxHandle
 from evalbus_dispatcher.collect import TracePuller, trace_ref_for
 from evalbus_dispatcher.errors import BackendError
@@ -105,6 +106,7 @@ async def execute_case(
     queued: Queued | None = None,
     sample_interval_s: float = SAMPLE_INTERVAL_S,
     on_sandbox: OnSandbox | None = None,
+    objects: RunObjects | None = None,
 ) -> CaseExecuted:
     """Run one case × trial and grade it, releasing the sandbox as early as possible.
 
@@ -119,14 +121,17 @@ async def execute_case(
     adds an infra mark to the run's trace, `cdp()` is the DevTools endpoint of the harness's browser
     as it last declared it: `EVALBUS_CDP_URL` in its environment, then `EVALBUS_CDP <url>` lines) and
     returns what to await right before the sandbox is released: the live actions attach and
-    detach there.
+    detach there. With `objects`, what is too large for the event goes to the `artifacts` bucket
+    (`artifacts.py`): declared files before the release, large logs and the result's bulk after.
     """
     execution = _Execution(req, backend, live, on_release, trace_puller)
     execution.dispatcher = dispatcher
     execution.queued = queued
     execution.sample_interval_s = sample_interval_s
     execution.on_sandbox = on_sandbox
-    return await execution.run(backoff_s)
+    execution.objects = objects
+    executed = await execution.run(backoff_s)
+    return executed if objects is None else await objects.offload(executed)
 
 
 def run_id_of(req: CaseRequested) -> str:
@@ -206,6 +211,7 @@ class _Execution:
         self.queued: Queued | None = None
         self.sample_interval_s = SAMPLE_INTERVAL_S
         self.on_sandbox: OnSandbox | None = None
+        self.objects: RunObjects | None = None
         self.cdp: str | None = req.harness.env.get(CDP_ENV) or None
         """The DevTools endpoint of the harness's browser, as last declared."""
 
@@ -334,6 +340,10 @@ class _Execution:
         except Exception as e:
             self._notes.append(Error(message=f"snapshot failed: {type(e).__name__}: {e}", t=self._t()))
         held.scores = await grade_compute(req.case.graders, handle)
+        if self.objects is not None and any(is_declaration(e) for e in held.events):
+            held.events = await self.objects.store_declared(
+                held.events, handle, run_id=self._run_id, attempt=req.attempt, t=self._t()
+            )
         return held
 
     async def _release(self, handle: SandboxHandle, tee: LiveTee) -> None:
@@ -369,6 +379,11 @@ class _Execution:
         """Trace collection and observation graders, with the sandbox already gone."""
         if not held.harness_ran or held.run is None:
             return held
+        if self.objects is not None:
+            logs = await self.objects.store_logs(
+                held.run.stdout, held.run.stderr, run_id=self._run_id, attempt=self._req.attempt, t=held.t_end
+            )
+            self._notes.extend(logs)
         harness = self._req.harness
         _, observation = partition(self._req.case.graders)
         kind = harness.trace.kind

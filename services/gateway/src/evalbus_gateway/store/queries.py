@@ -182,7 +182,10 @@ class TrajectoryEvent(msgspec.Struct, frozen=True, kw_only=True):
     ts: datetime
     """Event time."""
     body: msgspec.Raw
-    """The stored event, as JSON."""
+    """The stored event, as JSON (with its result's offloaded parts read back in: see `loaded`)."""
+    loaded: tuple[str, ...] = ()
+    """Result fields filled into `body` from the payload object `result.payload` names, after
+    checking it against that reference; in the stored (sealed) body they are empty."""
 
 
 class Trajectory(msgspec.Struct, frozen=True, kw_only=True):
