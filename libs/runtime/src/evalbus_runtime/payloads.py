@@ -28,7 +28,14 @@ from nats.js import JetStreamContext
 from evalbus_contracts import CaseResult, ObjectRef, ResultPayload, encode, encode_token
 from evalbus_contracts.results import OffloadedField
 from evalbus_contracts.streams import ARTIFACTS
-from evalbus_runtime.objects import ObjectStoreError, get_object, iter_object, put_object
+from evalbus_runtime.objects import (
+    ObjectDigestError,
+    ObjectMissingError,
+    ObjectStoreError,
+    get_object,
+    iter_object,
+    put_object,
+)
 
 DEFAULT_INLINE_MAX_BYTES = 256 * 1024
 """Largest answer + trace + snapshot (encoded JSON bytes) a result carries inline."""
@@ -221,5 +228,14 @@ async def first_bad_object(
             try:
                 pending.extend(await check_object(js, ref))
             except ObjectStoreError as e:
-                return seq, f"object {ref.bucket}/{ref.name} does not match the sealed reference: {e}", len(seen)
+                return seq, f"object {ref.bucket}/{ref.name}: {unreadable(e)}", len(seen)
     return None, None, len(seen)
+
+
+def unreadable(e: ObjectStoreError) -> str:
+    """What a reader says of an object it could not read as its reference pins."""
+    if isinstance(e, ObjectDigestError):
+        return f"the object does not match its reference (tampered with or replaced): {e}"
+    if isinstance(e, ObjectMissingError):
+        return f"the object is missing from the object store: {e}"
+    return str(e)

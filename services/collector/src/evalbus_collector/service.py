@@ -18,7 +18,7 @@ from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import COLLECTOR_CASES
 from evalbus_runtime import Delivery, Retry, SecretStore, Service, Stage
 from evalbus_runtime.objects import ObjectReadError, ObjectStoreError
-from evalbus_runtime.payloads import COLLECTED_FILE, load_result, offload_result
+from evalbus_runtime.payloads import COLLECTED_FILE, load_result, offload_result, unreadable
 from evalbus_traces import build_source, collect_trace
 
 
@@ -44,7 +44,7 @@ def build_collector(service: Service, settings: CollectorSettings, secrets: Secr
             except ObjectReadError as e:
                 raise Retry(f"the run's payload could not be read yet: {e}") from e
             except ObjectStoreError as e:  # the judge reads the same reference and fails visibly
-                return [complete(event, None, degraded=f"the run's payload could not be read: {e}")]
+                return [complete(event, None, degraded=f"the run's payload could not be read: {unreadable(e)}")]
         return [await _offloaded(await _collect(event, delivery))]
 
     async def _offloaded(collected: CaseCollected) -> CaseCollected:

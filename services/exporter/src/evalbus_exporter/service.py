@@ -15,7 +15,7 @@ from evalbus_exporter.export import SinkCache, SinkFactory, export_case, unexpor
 from evalbus_exporter.sinks.factory import SinkBuilder
 from evalbus_runtime import Delivery, Retry, Service, ServiceSettings, Stage
 from evalbus_runtime.objects import ObjectReadError, ObjectStoreError
-from evalbus_runtime.payloads import load_result
+from evalbus_runtime.payloads import load_result, unreadable
 
 
 class ExporterSettings(ServiceSettings):
@@ -51,7 +51,7 @@ def build_exporter(service: Service, settings: ExporterSettings, factory: SinkFa
             except ObjectReadError as e:
                 raise Retry(f"the run's payload could not be read yet: {e}") from e
             except ObjectStoreError as e:  # tampered, replaced or gone: no sink gets other bytes
-                return [unexportable(event, sinks, str(e))]
+                return [unexportable(event, sinks, unreadable(e))]
             event = msgspec.structs.replace(event, result=result)
         return [await export_case(event, sinks)]
 

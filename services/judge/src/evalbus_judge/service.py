@@ -20,7 +20,7 @@ from evalbus_judge.limits import ProviderLimits
 from evalbus_judge.registry import JudgeRegistry, ModelDefaults
 from evalbus_runtime import Delivery, Poison, Retry, Service, ServiceSettings, Stage
 from evalbus_runtime.objects import ObjectReadError, ObjectStoreError
-from evalbus_runtime.payloads import keep_offloaded, load_result
+from evalbus_runtime.payloads import keep_offloaded, load_result, unreadable
 
 
 async def load_ready(js: JetStreamContext, event: ReadyEvent) -> ReadyEvent:
@@ -103,7 +103,7 @@ def build_judge(service: Service, settings: JudgeSettings, registry: JudgeRegist
             raise Retry(f"the run's payload could not be read yet: {e}") from e
         except ObjectStoreError as e:  # tampered, replaced, gone or too large: never judged on other bytes
             try:
-                tampered = unreadable_payload(event, str(e))
+                tampered = unreadable_payload(event, unreadable(e))
             except ValueError as bad:
                 raise Poison(str(bad)) from bad
             return [] if tampered is None else [tampered]

@@ -23,7 +23,7 @@ from evalbus_gateway.api.validation import path_id
 from evalbus_gateway.store import get_trajectory
 from evalbus_gateway.store.queries import Trajectory, TrajectoryEvent
 from evalbus_runtime.objects import ObjectDigestError, ObjectStoreError, get_object, iter_object, object_info
-from evalbus_runtime.payloads import COLLECTED_FILE, MAX_PAYLOAD_READ, PAYLOAD_FILE, object_refs, run_prefix
+from evalbus_runtime.payloads import COLLECTED_FILE, MAX_PAYLOAD_READ, PAYLOAD_FILE, object_refs, run_prefix, unreadable
 
 _RESULT_EVENTS = frozenset({"case.executed", "case.collected", "case.judged", "case.observed"})
 _MAX_ARTIFACT_NAME = 256
@@ -32,7 +32,7 @@ PAYLOAD_FILES = ("/" + PAYLOAD_FILE, "/" + COLLECTED_FILE)
 
 def tampered(run_id: str, e: ObjectStoreError) -> ApiError:
     """The answer to a read whose object is not the one the run's events pin."""
-    return ApiError(409, "tampered", f"run {run_id}: {e}", "run_id")
+    return ApiError(409, "tampered", f"run {run_id}: {unreadable(e)}", "run_id")
 
 
 async def load_payloads(call: Call, trajectory: Trajectory) -> Trajectory:
