@@ -7,7 +7,6 @@ everywhere on `/v1`. Every schema lives under `components.schemas`.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -98,7 +97,7 @@ def build_openapi(routes: Iterable[Route], *, title: str = "evalbus gateway", ve
                 "content": content(route.request),
             }
         operation["security"] = [] if route.access == "public" else [{"bearer": []}]
-        item = paths.setdefault(re.sub(r"\{(\w+):[^}]*\}", r"{\1}", route.path), {})
+        item = paths.setdefault(route.openapi_path, {})
         for method in route.methods:
             item[method.lower()] = (
                 operation if method != "HEAD" else {**operation, "operationId": route.operation_id + "Head"}
