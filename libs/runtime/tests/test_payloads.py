@@ -12,8 +12,13 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from evalbus.infra.nats import STOCK_MAX_PAYLOAD, NatsServer
+from evalbus.testing.bus import dead_letters, make_consumer, request
+from evalbus.testing.pipeline import eventually
 from evalbus_contracts import (
     Artifact,
+    CaseExecuted,
+    CasePlan,
+    CaseRequested,
     CaseResult,
     Log,
     Message,
@@ -25,7 +30,8 @@ from evalbus_contracts import (
     encode,
 )
 from evalbus_contracts.streams import ARTIFACTS
-from evalbus_runtime import connect, ensure_topology
+from evalbus_runtime import ConsumerLoop, Delivery, Publisher, ServiceMetrics, Stage, connect, ensure_topology
+from evalbus_runtime.bus import ensure_consumer
 from evalbus_runtime.objects import ObjectDigestError, put_object
 from evalbus_runtime.payloads import (
     DEFAULT_INLINE_MAX_BYTES,
@@ -185,3 +191,50 @@ async def test_an_object_replaced_under_its_name_is_refused_by_readers_and_the_c
     assert seq == 7
     assert detail is not None
     assert slim.payload.name in detail
+
+
+@integration
+async def test_an_output_over_max_payload_is_dead_lettered_at_once_not_retried(stock_nats: NatsServer) -> None:
+    nc = await connect(stock_nats.url, "too-large-test")
+    try:
+        await ensure_topology(nc.jetstream())
+        pub = Publisher(nc)
+        await pub.start()
+        batch = f"b{uuid.uuid4().hex[:8]}"
+        service = f"w{batch}"
+        calls: list[int] = []
+
+        async def handle(event: CaseRequested, delivery: Delivery) -> list[CaseExecuted]:
+            calls.append(delivery.num_delivered)
+            result = CaseResult(case_id="c1", run_id=event.run_id or "", harness="h@1", answer="z" * STOCK_MAX_PAYLOAD)
+            return [
+                CaseExecuted(
+                    batch_id=batch,
+                    case_id="c1",
+                    run_id=event.run_id,
+                    status="succeeded",
+                    result=result,
+                    plan=CasePlan(),
+                )
+            ]
+
+        stage = Stage(consumer=make_consumer(batch), handler=handle, accepts=(CaseRequested,))
+        await ensure_consumer(nc.jetstream(), stage.consumer)
+        loop = ConsumerLoop(nc, pub, stage, service=service, metrics=ServiceMetrics(service))
+        await loop.start()
+        try:
+            await pub.publish_event(request(batch, "c1"))
+
+            async def lettered() -> bool:
+                return bool(await dead_letters(nc, service))
+
+            await eventually(lettered, timeout_s=20, what=f"the dead letter (handled: {calls})")
+            [letter] = await dead_letters(nc, service)
+            assert letter.reason.startswith("too_large: ")
+            assert "max_payload" in letter.reason
+            assert calls == [1]  # never redelivered
+        finally:
+            await loop.stop(5.0)
+            await pub.stop()
+    finally:
+        await nc.close()
