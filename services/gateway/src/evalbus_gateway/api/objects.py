@@ -11,6 +11,7 @@ that does not match its reference is answered `409 tampered`, never served as if
 from __future__ import annotations
 
 import base64
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -38,6 +39,7 @@ def tampered(run_id: str, e: ObjectStoreError) -> ApiError:
 async def load_payloads(call: Call, trajectory: Trajectory) -> Trajectory:
     """The trajectory with every offloaded result part read back (verified) into its event's body."""
     events: list[TrajectoryEvent] = []
+    read: dict[tuple[str, str, str], Any] = {}
     changed = False
     for event in trajectory.events:
         if event.type not in _RESULT_EVENTS:
@@ -49,13 +51,16 @@ async def load_payloads(call: Call, trajectory: Trajectory) -> Trajectory:
         if not isinstance(ref, dict) or not isinstance(result, dict):
             events.append(event)
             continue
-        try:
-            data = await get_object(call.state.js, msgspec.convert(ref, ObjectRef), limit=MAX_PAYLOAD_READ)
-        except ObjectStoreError as e:
-            raise tampered(trajectory.run_id, e) from e
-        except msgspec.ValidationError as e:
-            raise tampered(trajectory.run_id, ObjectStoreError(f"unreadable payload reference: {e}")) from e
-        payload = msgspec.json.decode(data)
+        key = (str(ref.get("bucket")), str(ref.get("name")), str(ref.get("sha256")))
+        payload = read.get(key)
+        if payload is None:  # the judged event names the executed one's object: read it once
+            try:
+                data = await get_object(call.state.js, msgspec.convert(ref, ObjectRef), limit=MAX_PAYLOAD_READ)
+            except ObjectStoreError as e:
+                raise tampered(trajectory.run_id, e) from e
+            except msgspec.ValidationError as e:
+                raise tampered(trajectory.run_id, ObjectStoreError(f"unreadable payload reference: {e}")) from e
+            payload = read[key] = msgspec.json.decode(data)
         fields = tuple(str(f) for f in result.get("offloaded", ()))
         for name in fields:
             if isinstance(payload, dict) and name in payload:
@@ -81,6 +86,7 @@ async def _named_objects(call: Call, trajectory: Trajectory) -> list[ObjectRef]:
     refs: list[ObjectRef] = []
     for event in trajectory.events:
         refs.extend(object_refs(msgspec.json.decode(event.body)))
+    refs = list(dict.fromkeys(refs))  # the judged event names the executed one's objects again
     found = list(refs)
     for ref in refs:
         if ref.name.endswith(PAYLOAD_FILES):
