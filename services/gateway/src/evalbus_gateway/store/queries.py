@@ -132,7 +132,8 @@ class RunView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     verdict_rung: str | None = None
     """Rung that decided."""
     answer: str | None = None
-    """Final answer."""
+    """Final answer; null when it was too large to ride in the event (above the inline threshold:
+    `GET /v1/runs/{run_id}/trajectory` reads it back from the object store)."""
     judge_error: str | None = None
     """An error that escaped a judge."""
     export_outcomes: tuple[SinkOutcome, ...] = ()
