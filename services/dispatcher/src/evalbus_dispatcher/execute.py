@@ -3,9 +3,10 @@
 Order: (a long wait in the queue or a redelivery: mark `waiting` saying so) → mark `accepted` → (a
 retry: mark `waiting` with the reason, wait its backoff) → provision → mark `started` → run the harness (mark
 `placed` once its process exists, its output teed live, placement samples while it runs, mark
-`exited` saying how it ended) → snapshot → compute graders → **release** (idempotent, also in
-`finally`) → `on_release()` → mark `released` → collect the trace (`job` mode) → observation
-graders → `case.executed`.
+`exited` saying how it ended) → snapshot → compute graders → store the declared artifact files
+→ **release** (idempotent, also in `finally`) → `on_release()` → mark `released` → store large
+logs → collect the trace (`job` mode) → observation graders → `case.executed`, its answer, trace
+and snapshot in the object store when too large for the event (`artifacts.py`).
 In `control-plane` mode the observation graders are left to the collector.
 
 A trace pull that fails is a retryable `collect` failure (the sandbox's scores stand, the
