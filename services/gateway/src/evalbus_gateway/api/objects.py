@@ -115,7 +115,8 @@ async def run_artifact(call: Call) -> web.StreamResponse:
     """GET /v1/runs/{run_id}/artifacts/{name}: the bytes of an object the run's events name."""
     run_id = path_id(call.request, "run_id")
     name = call.request.match_info.get("name", "")
-    if not name or len(name) > _MAX_ARTIFACT_NAME or ".." in name.split("/"):
+    bad = any(ord(c) < 0x20 or ord(c) == 0x7F for c in name)
+    if bad or not name or len(name) > _MAX_ARTIFACT_NAME or ".." in name.split("/"):
         raise ApiError(400, "invalid", "name must be an artifact name of the run (e.g. files/out.bin)", "name")
     await visible_run(call, run_id)
     trajectory = await get_trajectory(call.state.pool, run_id)
@@ -158,7 +159,7 @@ _RUN_ID = Param("run_id", "path", "Run id (`evb-<batch>-<case>[-t<trial>]`)", {"
 ROUTES: tuple[Route, ...] = (
     Route(
         ("GET",),
-        "/v1/runs/{run_id}/artifacts/{name:.+}",
+        "/v1/runs/{run_id}/artifacts/{name:[\\s\\S]+}",
         "getRunArtifact",
         "Download an object a run's events name (a declared artifact file, a large log)",
         "member",
