@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from evalbus.infra.nats import NatsServer
+from evalbus.infra.nats import STOCK_MAX_PAYLOAD, NatsServer
 from evalbus.testing.pipeline import eventually
 from evalbus_contracts import (
     CaseExported,
@@ -18,15 +18,19 @@ from evalbus_contracts import (
     CasePlan,
     CaseResult,
     JsonlSink,
+    ResultPayload,
     SinkOutcome,
     SinkSpec,
     decode_event,
+    encode,
     encode_token,
 )
-from evalbus_contracts.streams import EXPORTER_CASES
+from evalbus_contracts.streams import ARTIFACTS, EXPORTER_CASES
 from evalbus_exporter.service import ExporterSettings, build_exporter
 from evalbus_exporter.sinks.base import CaseSink
 from evalbus_runtime import Publisher, Service, connect, ensure_topology
+from evalbus_runtime.objects import put_object
+from evalbus_runtime.payloads import offload_result
 
 pytestmark = pytest.mark.integration
 
@@ -144,5 +148,65 @@ async def test_two_replicas_export_every_case_once_and_never_more_than_two_at_on
     finally:
         for svc in services:
             await svc.stop()
+        await pub.stop()
+        await nc.close()
+
+
+class AnswerSink:
+    """Records the answer each exported case carried."""
+
+    name = "answers"
+
+    def __init__(self) -> None:
+        self.answers: dict[str, str | None] = {}
+
+    async def export(self, judged: CaseJudged) -> SinkOutcome:
+        self.answers[judged.run_id or ""] = judged.result.answer
+        return SinkOutcome(sink=self.name, status="ok")
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_an_offloaded_answer_reaches_the_sink_and_a_replaced_one_never_does(fresh_nats: NatsServer) -> None:
+    sink = AnswerSink()
+    svc = Service(ExporterSettings(service="exporter", nats_url=fresh_nats.url))
+    build_exporter(svc, ExporterSettings(service="exporter"), lambda spec, batch_id: sink)
+    await svc.start()
+    nc = await connect(fresh_nats.url, "t")
+    assert nc.max_payload == STOCK_MAX_PAYLOAD  # the rig's default: a stock server's
+    await ensure_topology(nc.jetstream())
+    pub = Publisher(nc)
+    js = nc.jetstream()
+    batch = f"b{uuid.uuid4().hex[:6]}"
+    answer = "long answer " * 100_000  # 1.2 MB: more than the stock bus takes in one message
+    try:
+        seqs = []
+        for case in ("ok", "bad"):
+            run_id = f"evb-{batch}-{case}"
+            full = CaseResult(case_id=case, run_id=run_id, harness="h@1", answer=answer)
+            slim = await offload_result(js, full, attempt=1)
+            assert slim.payload is not None
+            if case == "bad":
+                await put_object(js, ARTIFACTS, slim.payload.name, encode(ResultPayload(answer="other")))
+            event = CaseJudged(
+                batch_id=batch,
+                case_id=case,
+                run_id=run_id,
+                status="judged",
+                result=slim,
+                plan=CasePlan(sinks=(JsonlSink(path="unused.jsonl"),)),
+            )
+            seqs.append((await pub.publish_event(event)).seq)
+        await eventually(lambda: exporter_caught_up(nc, max(seqs), 2), timeout_s=30, what="both cases exported")
+        by_case = {ev.case_id: ev for ev in await exported_on_stream(nc, batch)}
+        assert by_case["ok"].status == "exported"
+        assert sink.answers == {f"evb-{batch}-ok": answer}  # loaded back; the replaced one never sent
+        assert by_case["bad"].status == "failed"
+        [outcome] = by_case["bad"].outcomes
+        assert outcome.error is not None
+        assert "tampered with or replaced" in outcome.error
+    finally:
+        await svc.stop()
         await pub.stop()
         await nc.close()

@@ -60,6 +60,9 @@ EXPECTED: dict[str, dict[str, int]] = {
     "POST /v1/batches/{batch_id}/rejudge": _with(_CREATOR, 202),
     "GET /v1/runs/{run_id}": _CREATOR,
     "GET /v1/runs/{run_id}/trajectory": _CREATOR,
+    # The world's runs name no object: the creator's answer is the artifact's 404 (field `name`),
+    # anyone else's the run's own 404 (field `run_id`), as for a missing run.
+    "GET /v1/runs/{run_id}/artifacts/{name}": _with(_CREATOR, 404),
     "GET /v1/runs/{run_id}/logs": _CREATOR,
     "GET /v1/runs/{run_id}/logs/stream": _CREATOR,
     "GET /v1/runs/{run_id}/trajectory/live": _CREATOR,
@@ -97,7 +100,7 @@ EXPECTED: dict[str, dict[str, int]] = {
 }
 """Method and path → principal → the documented status."""
 
-TABLE = [f"{method} {route.path}" for route in ROUTES for method in route.methods]
+TABLE = [f"{method} {route.openapi_path}" for route in ROUTES for method in route.methods]
 
 
 def test_every_route_has_an_expectation() -> None:

@@ -395,14 +395,15 @@ async def test_chunked_huge_body_is_413(gateway: RunningGateway) -> None:
     assert (error.code, error.field) == ("payload_too_large", "$")
 
 
-AUTHENTICATED = [(m, r.path) for r in ROUTES if r.access != "public" for m in r.methods]
+AUTHENTICATED = [(m, r.openapi_path) for r in ROUTES if r.access != "public" for m in r.methods]
 
 
 @pytest.mark.parametrize(("method", "path"), AUTHENTICATED, ids=[f"{m} {p}" for m, p in AUTHENTICATED])
 async def test_every_v1_route_needs_a_token(
     gateway: RunningGateway, batches: dict[str, str], method: str, path: str
 ) -> None:
-    url = gateway.base_url + path.format(batch_id=batches["one"], run_id="evb-x-c1", suite_id="s1", trace_id="0" * 32)
+    fill = {"batch_id": batches["one"], "run_id": "evb-x-c1", "suite_id": "s1", "trace_id": "0" * 32, "name": "x.bin"}
+    url = gateway.base_url + path.format(**fill)
     async with aiohttp.ClientSession() as http, http.request(method, url) as resp:
         assert resp.status == 401
         error = msgspec.json.decode(await resp.read(), type=ErrorBody).error

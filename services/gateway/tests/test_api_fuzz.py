@@ -505,7 +505,7 @@ def _path_cases() -> list[tuple[str, str, str, str, bytes]]:
         for param in (p for p in route.params if p.location == "path"):
             for method in route.methods:
                 for name, value in bad.items():
-                    out.append((method, route.path, param.name, name, value))
+                    out.append((method, route.openapi_path, param.name, name, value))
     return out
 
 

@@ -34,7 +34,7 @@ from evalbus_contracts import (
     encode,
 )
 from evalbus_judge import Judge, JudgeContext, JudgeMachineryError, JudgeRegistry, judge_event
-from evalbus_judge.apply import observation_retry_delay
+from evalbus_judge.apply import observation_retry_delay, unreadable_payload
 from evalbus_judge.context import verdict
 
 pytestmark = pytest.mark.unit
@@ -441,3 +441,21 @@ async def test_an_observation_a_judge_could_not_score_yet_is_judged_again_until_
     assert observation_retry_delay(final, await judge_event(final, registry), num_delivered=1, max_deliver=5) is None
     case = executed((RegisteredJudge(id="f", name="flaky", params={"retryable": "yes"}),))
     assert observation_retry_delay(case, await judge_event(case, registry), num_delivered=1, max_deliver=5) is None
+
+
+# ---------------------------------------------------------------- an offloaded payload that cannot be read
+
+
+def test_a_payload_that_cannot_be_read_fails_every_judge_visibly() -> None:
+    judges = (ExactJudge(id="exact"), ContainsJudge(id="contains"))
+    reason = "the object does not match its reference (tampered with or replaced): sha256 differs"
+    judged = unreadable_payload(executed(judges, res=result(answer=None)), reason)
+    assert judged is not None
+    assert judged.status == "judged"
+    assert judged.judge_error is not None
+    assert reason in judged.judge_error
+    added = judged.result.scores[1:]
+    assert judged.result.scores[0] == GRADER_SCORE
+    assert [s.metric for s in added] == ["judge:exact", "judge:contains"]
+    assert all(isinstance(s, Unmeasured) and s.reason == "missing_evidence" for s in added)
+    assert unreadable_payload(executed(judges, trace_complete=False), reason) is None

@@ -15,8 +15,9 @@ from evalbus.infra.ports import free_port, wait_port
 
 STOCK_MAX_PAYLOAD = 1024 * 1024
 """A stock nats-server's `max_payload` (1 MB): what the pipeline must run on."""
-DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
-"""The embedded server's default `max_payload` while large traces still ride in `case.executed`."""
+DEFAULT_MAX_PAYLOAD = STOCK_MAX_PAYLOAD
+"""The embedded server's default `max_payload`: a stock server's, so every run (and the e2e suite)
+proves the pipeline fits it — what is larger rides in the object store buckets, not in events."""
 MAX_PAYLOAD_ENV = "EVALBUS_NATS_MAX_PAYLOAD"
 """Setting of the embedded server's `max_payload` in bytes (`evalbus up`, the test rig); unset:
 `DEFAULT_MAX_PAYLOAD`."""

@@ -46,6 +46,7 @@ from evalbus_contracts.results import (
     Placement,
     PromptSnapshot,
     RepoSnapshot,
+    ResultPayload,
     Snapshot,
     TraceRef,
 )
@@ -224,6 +225,7 @@ __all__ = [
     "RegisteredJudge",
     "RegressionGate",
     "RepoSnapshot",
+    "ResultPayload",
     "Score",
     "ScriptScoreGrader",
     "SinkOutcome",

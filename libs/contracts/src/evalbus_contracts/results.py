@@ -7,6 +7,7 @@ from typing import Literal
 
 import msgspec
 
+from evalbus_contracts.objects import ObjectRef
 from evalbus_contracts.placement import PlacementSample
 from evalbus_contracts.scores import Score
 from evalbus_contracts.specs import Correlate, PlatformKind
@@ -147,6 +148,21 @@ class CaseTimings(_Data, frozen=True, kw_only=True):
     """Seconds the harness process ran."""
 
 
+OffloadedField = Literal["answer", "trace", "snapshot"]
+"""A field of a `CaseResult` that may be moved into its payload object."""
+
+
+class ResultPayload(_Data, frozen=True, kw_only=True):
+    """The large parts of a `CaseResult`, stored as one object (`CaseResult.payload`)."""
+
+    answer: str | None = None
+    """The final answer, when offloaded."""
+    trace: tuple[TraceEvent, ...] = ()
+    """The trace, in order, when offloaded."""
+    snapshot: Snapshot | None = None
+    """The environment at the end, when offloaded."""
+
+
 class CaseResult(_Data, frozen=True, kw_only=True):
     """Everything known about one run after execution (and collection)."""
 
@@ -174,3 +190,11 @@ class CaseResult(_Data, frozen=True, kw_only=True):
     """Where the platform trace is, when the harness exports one."""
     timings: CaseTimings = msgspec.field(default_factory=CaseTimings)
     """Timings."""
+    payload: ObjectRef | None = None
+    """Where the parts of this result too large to ride in an event are: a `ResultPayload` (JSON)
+    in the `artifacts` bucket, set when the encoded answer, trace and snapshot together exceed the
+    producer's inline threshold. The fields named in `offloaded` are then empty here and complete
+    in the object; a reader loads it and checks its size and SHA-256 (a mismatch is tampering,
+    never a silent wrong answer)."""
+    offloaded: tuple[OffloadedField, ...] = ()
+    """Which fields are in `payload` instead of here."""

@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from evalbus_contracts.objects import ObjectRef
+
 
 class _TraceBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", omit_defaults=True):
     t: float = 0.0
@@ -94,18 +96,33 @@ class Log(_TraceBase, frozen=True, kw_only=True, tag="log"):
 
 
 class Artifact(_TraceBase, frozen=True, kw_only=True, tag="artifact"):
-    """A file the run produced, stored in the object store, referenced by name and digest."""
+    """A file the run produced, stored in the object store, referenced by name and digest.
+
+    A harness declares one by printing this event with `ref` set to a path relative to its workdir
+    (and no `sha256`): the dispatcher stores the file before the sandbox is released and rewrites
+    the event with the object's `ref` (`<bucket>/<object name>`), `sha256` and `size`."""
 
     name: str
     """Artifact name."""
     ref: str
-    """Object-store name (bucket/key)."""
+    """Object-store name (`<bucket>/<object name>`); in a harness's declaration, the file's path
+    relative to the workdir."""
     sha256: str | None = None
-    """SHA-256 of the bytes; readers verify it."""
+    """SHA-256 of the bytes (lower-case hex); readers verify it."""
+    size: int | None = None
+    """Length in bytes, once stored."""
     media_type: str | None = None
     """MIME type."""
     role: str | None = None
     """What the artifact is for (screenshot, stdout...)."""
+
+
+def artifact_object(event: Artifact) -> ObjectRef | None:
+    """The object a stored artifact names (None for a declaration not yet stored)."""
+    if event.sha256 is None or event.size is None or "/" not in event.ref:
+        return None
+    bucket, _, name = event.ref.partition("/")
+    return ObjectRef(bucket=bucket, name=name, size=event.size, sha256=event.sha256)
 
 
 class Span(_TraceBase, frozen=True, kw_only=True, tag="span"):

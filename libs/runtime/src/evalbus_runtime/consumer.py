@@ -32,7 +32,7 @@ from evalbus_contracts import DeadLetter, decode_event
 from evalbus_contracts.codec import NewerSchemaError
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import ConsumerDef, max_deliveries_advisory
-from evalbus_runtime.errors import Poison, PublishFailedError, Retry
+from evalbus_runtime.errors import PayloadTooLargeError, Poison, PublishFailedError, Retry
 from evalbus_runtime.faults import NO_FAULTS, FaultPoint, Faults
 from evalbus_runtime.logs import batch_id_var, run_id_var
 from evalbus_runtime.metrics import ServiceMetrics
@@ -333,6 +333,9 @@ class ConsumerLoop:
         except Poison as p:
             outcome = "poison"
             await self._give_up(msg, delivery, f"poison: {p.reason}")
+        except PayloadTooLargeError as e:
+            outcome = "poison"
+            await self._give_up(msg, delivery, f"too_large: {e}")
         except asyncio.CancelledError:
             outcome = "cancelled"
             with contextlib.suppress(Exception):
@@ -372,7 +375,7 @@ class ConsumerLoop:
             stream=self._consumer.stream,
             stream_seq=delivery.stream_seq,
             deliveries=delivery.num_delivered,
-            payload=msg.data.decode("utf-8", errors="replace"),
+            payload=_letter_payload(msg.data, self._nc),
             headers=dict(delivery.headers.items()),
         )
         try:
@@ -419,6 +422,21 @@ class ConsumerLoop:
             self._metrics.dead_letters.labels(self._label, "max_deliver").inc()
         except PublishFailedError:
             log.error("could not dead-letter exhausted seq %d", seq)
+
+
+_LETTER_ROOM = 16 * 1024
+"""Bytes of a dead letter kept for its reason, headers and envelope."""
+
+
+def _letter_payload(data: bytes, nc: NatsClient) -> str:
+    """The message as a dead letter carries it: whole, or its head when the letter would not fit the
+    server's `max_payload` (the stream still holds the original at its sequence)."""
+    limit = int(getattr(nc, "max_payload", 0) or 0)
+    text = data.decode("utf-8", errors="replace")
+    if not limit or len(data) * 2 + _LETTER_ROOM <= limit:  # JSON escaping may double it
+        return text
+    keep = max(0, (limit - _LETTER_ROOM) // 2)
+    return text[:keep] + f"... [{len(data) - keep} more bytes: read the original at its stream sequence]"
 
 
 def _ack_fields(reply: str) -> tuple[int, int]:

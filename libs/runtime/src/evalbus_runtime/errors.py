@@ -26,3 +26,8 @@ class Poison(RuntimeFailure):
 
 class PublishFailedError(RuntimeFailure):
     """JetStream did not acknowledge a publish after the retries."""
+
+
+class PayloadTooLargeError(RuntimeFailure):
+    """An event is larger than the server's `max_payload`: publishing it again can never succeed,
+    so the message that produced it is dead-lettered with this reason instead of retried."""

@@ -22,7 +22,7 @@ from nats.aio.subscription import Subscription
 
 from evalbus_contracts import encode
 from evalbus_contracts.events import CaseRequested, EventBase
-from evalbus_runtime.errors import PublishFailedError
+from evalbus_runtime.errors import PayloadTooLargeError, PublishFailedError
 from evalbus_runtime.tracing import inject_run_traceparent, inject_traceparent
 
 log = logging.getLogger("evalbus.publisher")
@@ -129,8 +129,15 @@ class Publisher:
         return list(await asyncio.gather(*(self.publish_event(e) for e in batch)))
 
     async def publish_raw(self, subject: str, payload: bytes, headers: Mapping[str, str] | None = None) -> PubAck:
-        """Publish bytes and wait for the PubAck, retrying timeouts with the same headers (same msg id)."""
+        """Publish bytes and wait for the PubAck, retrying timeouts with the same headers (same msg id).
+        A payload over the server's `max_payload` raises `PayloadTooLargeError` at once."""
         await self.start()
+        limit = int(getattr(self._nc, "max_payload", 0) or 0)
+        if limit and len(payload) > limit:
+            raise PayloadTooLargeError(
+                f"publish to {subject}: the event is {len(payload)} bytes, more than the server's max_payload "
+                f"({limit}); large payloads belong in the object store (`payload_inline_max_bytes`)"
+            )
         last_error = "no attempt"
         delay = 0.05
         for attempt in range(1, self._attempts + 1):

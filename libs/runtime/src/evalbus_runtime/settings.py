@@ -60,6 +60,10 @@ class ServiceSettings(msgspec.Struct, kw_only=True):
     create_topology: bool = True
     """Create (or update) the streams and buckets at start; false: take them as an operator or the
     other services created them (a lane dispatcher whose scoped credential may not change them)."""
+    payload_inline_max_bytes: int = 256 * 1024
+    """Largest answer + trace + snapshot (encoded JSON), and largest log, an event carries inline;
+    above it they go to the `artifacts` object store bucket and the event names them
+    (`evalbus_runtime.payloads`). Must stay well under the bus's `max_payload`."""
     fault_kill: str | None = None
     """TEST ONLY: deterministic SIGKILL points, `<point>:<consumer>:<event type>:<run id>[;…]`
     (see `evalbus_runtime.faults`). Never set in a deployment."""

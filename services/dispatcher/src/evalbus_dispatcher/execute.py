@@ -3,9 +3,10 @@
 Order: (a long wait in the queue or a redelivery: mark `waiting` saying so) → mark `accepted` → (a
 retry: mark `waiting` with the reason, wait its backoff) → provision → mark `started` → run the harness (mark
 `placed` once its process exists, its output teed live, placement samples while it runs, mark
-`exited` saying how it ended) → snapshot → compute graders → **release** (idempotent, also in
-`finally`) → `on_release()` → mark `released` → collect the trace (`job` mode) → observation
-graders → `case.executed`.
+`exited` saying how it ended) → snapshot → compute graders → store the declared artifact files
+→ **release** (idempotent, also in `finally`) → `on_release()` → mark `released` → store large
+logs → collect the trace (`job` mode) → observation graders → `case.executed`, its answer, trace
+and snapshot in the object store when too large for the event (`artifacts.py`).
 In `control-plane` mode the observation graders are left to the collector.
 
 A trace pull that fails is a retryable `collect` failure (the sandbox's scores stand, the
@@ -50,6 +51,7 @@ from evalbus_contracts import (
     utcnow,
 )
 from evalbus_contracts.results import FailureClass, FailureStage
+from evalbus_dispatcher.artifacts import RunObjects, is_declaration
 from evalbus_dispatcher.backends.base import Backend, HarnessRun, SandboxHandle
 from evalbus_dispatcher.collect import TracePuller, trace_ref_for
 from evalbus_dispatcher.errors import BackendError
@@ -111,6 +113,7 @@ async def execute_case(
     queued: Queued | None = None,
     sample_interval_s: float = SAMPLE_INTERVAL_S,
     on_sandbox: OnSandbox | None = None,
+    objects: RunObjects | None = None,
 ) -> CaseExecuted:
     """Run one case × trial and grade it, releasing the sandbox as early as possible.
 
@@ -127,14 +130,17 @@ async def execute_case(
     then `EVALBUS_CDP <url>` lines) and its X display (`EVALBUS_DISPLAY` or `DISPLAY` in its
     environment, then `EVALBUS_DISPLAY :<n>` lines)) and
     returns what to await right before the sandbox is released: the live actions attach and
-    detach there.
+    detach there. With `objects`, what is too large for the event goes to the `artifacts` bucket
+    (`artifacts.py`): declared files before the release, large logs and the result's bulk after.
     """
     execution = _Execution(req, backend, live, on_release, trace_puller)
     execution.dispatcher = dispatcher
     execution.queued = queued
     execution.sample_interval_s = sample_interval_s
     execution.on_sandbox = on_sandbox
-    return await execution.run(backoff_s)
+    execution.objects = objects
+    executed = await execution.run(backoff_s)
+    return executed if objects is None else await objects.offload(executed)
 
 
 def run_id_of(req: CaseRequested) -> str:
@@ -216,6 +222,7 @@ class _Execution:
         self.on_sandbox: OnSandbox | None = None
         self.declared = Declared.from_env(req.harness.env)
         """What the harness declared for its screen, as last declared."""
+        self.objects: RunObjects | None = None
 
     def _t(self) -> float:
         return time.monotonic() - self._t0
@@ -345,6 +352,10 @@ class _Execution:
         except Exception as e:
             self._notes.append(Error(message=f"snapshot failed: {type(e).__name__}: {e}", t=self._t()))
         held.scores = await grade_compute(req.case.graders, handle)
+        if self.objects is not None and any(is_declaration(e) for e in held.events):
+            held.events = await self.objects.store_declared(
+                held.events, handle, run_id=self._run_id, attempt=req.attempt, t=self._t()
+            )
         return held
 
     async def _release(self, handle: SandboxHandle, tee: LiveTee) -> None:
@@ -380,6 +391,11 @@ class _Execution:
         """Trace collection and observation graders, with the sandbox already gone."""
         if not held.harness_ran or held.run is None:
             return held
+        if self.objects is not None:
+            logs = await self.objects.store_logs(
+                held.run.stdout, held.run.stderr, run_id=self._run_id, attempt=self._req.attempt, t=held.t_end
+            )
+            self._notes.extend(logs)
         harness = self._req.harness
         _, observation = partition(self._req.case.graders)
         kind = harness.trace.kind

@@ -46,6 +46,7 @@ from evalbus_contracts import (
 from evalbus_contracts.control import TERMINAL_PING_S
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import CASES, DISPATCHER_BATCHES, LIVE
+from evalbus_dispatcher.artifacts import RunObjects
 from evalbus_dispatcher.backends.base import Mark, Observed, SandboxHandle
 from evalbus_dispatcher.backends.docker import DockerBackend, DockerTemplate, connect_docker
 from evalbus_dispatcher.backends.kubernetes import JobTemplate, KubernetesBackend, connect_cluster
@@ -495,6 +496,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
             free_slot()
             delivery.release_slot()
 
+        objects = RunObjects(service.js, settings.payload_inline_max_bytes, int(service.nc.max_payload or 0))
         presence.hold(run_id)
         try:
             executed = await execute_case(
@@ -510,6 +512,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
                 on_sandbox=lambda handle, mark, declared: controls.attach(
                     run_id, observed(handle, mark), mark, screen=lambda: capture(screens.session, handle, declared)
                 ),
+                objects=objects,
             )
         finally:
             free_slot()

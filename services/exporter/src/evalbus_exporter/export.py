@@ -13,6 +13,24 @@ SinkFactory = Callable[[SinkSpec, str], CaseSink]
 """Builds the sink for one spec and batch id."""
 
 
+def unexportable(judged: CaseJudged, sinks: Sequence[CaseSink], reason: str) -> CaseExported:
+    """The `case.exported` of a case whose offloaded payload could not be read as its reference
+    pins (tampered with, replaced or gone): no sink is sent other bytes; each is `failed` with
+    the reason."""
+    outcomes = tuple(
+        SinkOutcome(sink=sink.name, status="failed", error=f"the run's payload could not be read: {reason}")
+        for sink in sinks
+    )
+    return CaseExported(
+        batch_id=judged.batch_id,
+        case_id=judged.case_id,
+        run_id=judged.run_id,
+        attempt=judged.attempt,
+        status=export_status(outcomes),  # type: ignore[arg-type]
+        outcomes=outcomes,
+    )
+
+
 def export_status(outcomes: Sequence[SinkOutcome]) -> str:
     """exported (every sink ok), partial, failed (none ok), skipped (no sink)."""
     if not outcomes:

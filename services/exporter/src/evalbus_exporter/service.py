@@ -11,9 +11,11 @@ import msgspec
 from evalbus_contracts import CaseJudged
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import EXPORTER_CASES
-from evalbus_exporter.export import SinkCache, SinkFactory, export_case
+from evalbus_exporter.export import SinkCache, SinkFactory, export_case, unexportable
 from evalbus_exporter.sinks.factory import SinkBuilder
-from evalbus_runtime import Delivery, Service, ServiceSettings, Stage
+from evalbus_runtime import Delivery, Retry, Service, ServiceSettings, Stage
+from evalbus_runtime.objects import ObjectReadError, ObjectStoreError
+from evalbus_runtime.payloads import load_result, unreadable
 
 
 class ExporterSettings(ServiceSettings):
@@ -43,6 +45,14 @@ def build_exporter(service: Service, settings: ExporterSettings, factory: SinkFa
 
     async def handle(event: CaseJudged, _: Delivery) -> Sequence[EventBase]:
         sinks = await cache.for_batch(event.batch_id or "", event.plan.sinks)
+        if sinks and event.result.payload is not None:
+            try:
+                result = await load_result(service.js, event.result)
+            except ObjectReadError as e:
+                raise Retry(f"the run's payload could not be read yet: {e}") from e
+            except ObjectStoreError as e:  # tampered, replaced or gone: no sink gets other bytes
+                return [unexportable(event, sinks, unreadable(e))]
+            event = msgspec.structs.replace(event, result=result)
         return [await export_case(event, sinks)]
 
     async def stop(_: Service) -> None:

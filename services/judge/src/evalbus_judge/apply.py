@@ -216,6 +216,21 @@ async def judge_ready(
     return JudgeOutcome(_judged(ready, "judged", result, judge_error), fates)
 
 
+def unreadable_payload(event: ReadyEvent, reason: str) -> CaseJudged | None:
+    """The `case.judged` of a ready case whose offloaded payload could not be read as its reference
+    pins (tampered with, replaced or gone): nothing is judged on other bytes — every judge of the
+    batch is `unmeasured: missing_evidence` with the reason, and `judge_error` makes it visible on
+    the batch. None for an event the judge would not judge anyway. Raises `ValueError` like
+    `judge_ready` for an event without its ids."""
+    ready = _ready_case(event)
+    if ready is None:
+        return None
+    detail = f"the run's payload could not be read: {reason}"
+    scores = tuple(unmeasured(spec.id, "missing_evidence", detail) for spec in ready.plan.judges)
+    result = msgspec.structs.replace(ready.result, scores=(*ready.result.scores, *scores))
+    return _judged(ready, "judged", result, detail)
+
+
 def _budgeted(entry: ResolvedJudge) -> bool:
     """A judge whose calls cost money (a model judge, an embedding judge on an endpoint)."""
     return entry.resolved and bool(getattr(entry.judge, "spends", False))

@@ -7,17 +7,28 @@ import importlib
 from collections.abc import Sequence
 
 import msgspec
+from nats.js import JetStreamContext
 from prometheus_client import Counter
 
 from evalbus_contracts import CaseCollected, CaseExecuted, CaseObserved
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import JUDGE_CASES
-from evalbus_judge.apply import ReadyEvent, judge_ready, observation_retry_delay
+from evalbus_judge.apply import ReadyEvent, judge_ready, observation_retry_delay, unreadable_payload
 from evalbus_judge.budget import BudgetUnavailableError, SpendLedger
 from evalbus_judge.chat import ChatClient
 from evalbus_judge.limits import ProviderLimits
 from evalbus_judge.registry import JudgeRegistry, ModelDefaults
 from evalbus_runtime import Delivery, Poison, Retry, Service, ServiceSettings, Stage
+from evalbus_runtime.objects import ObjectReadError, ObjectStoreError
+from evalbus_runtime.payloads import keep_offloaded, load_result, unreadable
+
+
+async def load_ready(js: JetStreamContext, event: ReadyEvent) -> ReadyEvent:
+    """`event` with its result's offloaded parts loaded and verified (itself when nothing is
+    offloaded, or when it is a `case.executed` the collector still completes)."""
+    if event.result.payload is None or (isinstance(event, CaseExecuted) and not event.trace_complete):
+        return event
+    return msgspec.structs.replace(event, result=await load_result(js, event.result))
 
 
 class JudgeSettings(ServiceSettings):
@@ -88,12 +99,24 @@ def build_judge(service: Service, settings: JudgeSettings, registry: JudgeRegist
 
     async def handle(event: ReadyEvent, delivery: Delivery) -> Sequence[EventBase]:
         try:
-            outcome = await judge_ready(event, reg, spend=spend)
+            loaded = await load_ready(service.js, event)
+        except ObjectReadError as e:
+            raise Retry(f"the run's payload could not be read yet: {e}") from e
+        except ObjectStoreError as e:  # tampered, replaced, gone or too large: never judged on other bytes
+            try:
+                tampered = unreadable_payload(event, unreadable(e))
+            except ValueError as bad:
+                raise Poison(str(bad)) from bad
+            return [] if tampered is None else [tampered]
+        try:
+            outcome = await judge_ready(loaded, reg, spend=spend)
         except ValueError as e:
             raise Poison(str(e)) from e
         except BudgetUnavailableError as e:
             raise Retry(f"the suite's spend could not be read: {e}") from e
         judged = outcome.judged
+        if judged is not None and loaded is not event:
+            judged = msgspec.structs.replace(judged, result=keep_offloaded(judged.result, event.result))
         for fate in outcome.fates:
             fates.labels(fate.suite_id or "-", fate.fate, fate.reason).inc()
         delay = observation_retry_delay(

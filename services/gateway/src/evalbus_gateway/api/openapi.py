@@ -110,7 +110,7 @@ def build_openapi(routes: Iterable[Route], *, title: str = "evalbus gateway", ve
                 "content": content(route.request),
             }
         operation["security"] = [] if route.access == "public" else [{"bearer": []}]
-        item = paths.setdefault(route.path, {})
+        item = paths.setdefault(route.openapi_path, {})
         for method in route.methods:
             item[method.lower()] = (
                 operation if method != "HEAD" else {**operation, "operationId": route.operation_id + "Head"}

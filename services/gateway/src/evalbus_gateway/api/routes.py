@@ -25,7 +25,7 @@ from evalbus_gateway.api.auth import Principal, authenticate, require_admin
 from evalbus_gateway.api.compare import ROUTES as COMPARE_ROUTES
 from evalbus_gateway.api.datasets import ROUTES as DATASET_ROUTES
 from evalbus_gateway.api.datasets import with_dataset_index
-from evalbus_gateway.api.errors import ApiError, error_middleware, not_found
+from evalbus_gateway.api.errors import ApiError, error_middleware
 from evalbus_gateway.api.live import ROUTES as LIVE_ROUTES
 from evalbus_gateway.api.live import live_trace_link
 from evalbus_gateway.api.mcp import ROUTES as MCP_ROUTES
@@ -41,6 +41,8 @@ from evalbus_gateway.api.models import (
     Me,
     Readiness,
 )
+from evalbus_gateway.api.objects import ROUTES as OBJECT_ROUTES
+from evalbus_gateway.api.objects import run_trajectory
 from evalbus_gateway.api.online import ROUTES as ONLINE_ROUTES
 from evalbus_gateway.api.openapi import build_openapi
 from evalbus_gateway.api.placement import ROUTES as PLACEMENT_ROUTES
@@ -66,7 +68,6 @@ from evalbus_gateway.live.placement import run_phase
 from evalbus_gateway.state import GatewayState
 from evalbus_gateway.store import (
     get_batch,
-    get_trajectory,
     list_runs,
     open_batches_by_supersede_key,
     rebuild_read_models,
@@ -277,16 +278,6 @@ async def get_run_route(call: Call) -> web.StreamResponse:
     return json_response(msgspec.structs.replace(view, live_trace=link, phase=phase))
 
 
-async def run_trajectory(call: Call) -> web.StreamResponse:
-    """GET /v1/runs/{run_id}/trajectory."""
-    run_id = path_id(call.request, "run_id")
-    await visible_run(call, run_id)
-    trajectory = await get_trajectory(call.state.pool, run_id)
-    if trajectory is None:
-        raise not_found("trajectory of run", "run_id", run_id)
-    return json_response(trajectory)
-
-
 async def me(call: Call) -> web.StreamResponse:
     """GET /v1/me."""
     return json_response(Me(principal=call.user.name, role=call.user.role))
@@ -472,8 +463,12 @@ ROUTES: tuple[Route, ...] = (
         run_trajectory,
         tag="runs",
         params=(_RUN_ID,),
+        description="A result that was too large for the bus is stored with its answer, trace or snapshot in "
+        "the `artifacts` bucket; the read fills them back in from the object after checking its digest (the "
+        "event's `loaded` names them) and answers `409 tampered` when the object is not the one the events pin.",
         responses={200: Body("The trajectory", Trajectory)},
     ),
+    *OBJECT_ROUTES,
     *LIVE_ROUTES,
     *COMPARE_ROUTES,
     *DATASET_ROUTES,

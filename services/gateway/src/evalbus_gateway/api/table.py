@@ -4,6 +4,7 @@ two cannot drift apart."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -112,6 +113,11 @@ class Route:
     """Whether the body is required."""
     responses: dict[int, Body] = field(default_factory=dict)
     """Success (and specific) responses by status; error responses are added from the shape."""
+
+    @property
+    def openapi_path(self) -> str:
+        """`path` as OpenAPI writes it: without aiohttp's regex of a parameter (`{name:.+}` → `{name}`)."""
+        return re.sub(r"\{(\w+):[^}]*\}", r"{\1}", self.path)
 
     @property
     def is_event_stream(self) -> bool:

@@ -151,7 +151,8 @@ class RunView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     verdict_rung: str | None = None
     """Rung that decided."""
     answer: str | None = None
-    """Final answer."""
+    """Final answer; null when it was too large to ride in the event (above the inline threshold:
+    `GET /v1/runs/{run_id}/trajectory` reads it back from the object store)."""
     judge_error: str | None = None
     """An error that escaped a judge."""
     export_outcomes: tuple[SinkOutcome, ...] = ()
@@ -206,7 +207,10 @@ class TrajectoryEvent(msgspec.Struct, frozen=True, kw_only=True):
     ts: datetime
     """Event time."""
     body: msgspec.Raw
-    """The stored event, as JSON."""
+    """The stored event, as JSON (with its result's offloaded parts read back in: see `loaded`)."""
+    loaded: tuple[str, ...] = ()
+    """Result fields filled into `body` from the payload object `result.payload` names, after
+    checking it against that reference; in the stored (sealed) body they are empty."""
 
 
 class Trajectory(msgspec.Struct, frozen=True, kw_only=True):

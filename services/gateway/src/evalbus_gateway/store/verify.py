@@ -2,12 +2,14 @@
 it, link by link, with the seal written when the run settled (`store.chain` defines the chain).
 
 A run is `ok` when its stored events are exactly the sealed sequences and every recomputed link
-equals the sealed one; `mismatch` names the first sequence where they part (an altered body, an
+equals the sealed one (and, when an object check is given, every object its events name — a large
+result's payload, a stored artifact — still has the size and SHA-256 its reference pins); `mismatch` names the first sequence where they part (an altered body, an
 event removed or added); `not_sealed` when the run has no seal (still in flight, or unknown).
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
@@ -40,6 +42,9 @@ class VerifyResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     """Head hash recomputed from the stored events."""
     detail: str | None = None
     """What differs."""
+    objects_checked: int | None = None
+    """Objects the run's events name that were read and matched their references (None: not
+    checked)."""
 
     @property
     def ok(self) -> bool:
@@ -119,7 +124,26 @@ def compare(run_id: str, events: list[tuple[int, str]], seal: SealLinks | None) 
     )
 
 
-async def _verify(conn: Connection, run_id: str) -> VerifyResult:
+ObjectCheck = Callable[[list[tuple[int, str]]], Awaitable[tuple[int | None, str | None, int]]]
+"""Checks the objects stored `(seq, body)` events name against their references: `(seq, detail,
+checked)` of the first that does not match, or `(None, None, checked)` (the CLI passes
+`evalbus_runtime.payloads.first_bad_object` on a NATS connection; the store does no NATS I/O)."""
+
+
+async def _check_objects(result: VerifyResult, events: list[tuple[int, str]], objects: ObjectCheck) -> VerifyResult:
+    """A chain-intact run whose named objects are checked too: `mismatch` at the first event whose
+    object was replaced or altered (the chain covers the reference, the object must match it)."""
+    if result.status != "ok":
+        return result
+    bad_seq, detail, checked = await objects(events)
+    if detail is None:
+        return msgspec.structs.replace(result, objects_checked=checked)
+    return msgspec.structs.replace(
+        result, status="mismatch", first_bad_seq=bad_seq, detail=detail, objects_checked=checked
+    )
+
+
+async def _verify(conn: Connection, run_id: str, objects: ObjectCheck | None = None) -> VerifyResult:
     rows = await conn.fetch(
         "SELECT stream_seq, body::text AS body FROM events WHERE run_id = $1 ORDER BY stream_seq", run_id
     )
@@ -132,24 +156,27 @@ async def _verify(conn: Connection, run_id: str) -> VerifyResult:
         hashes=tuple(str(h) for h in seal["hashes"]),
         head=str(seal["head_hash"]),
     )
-    return compare(run_id, events, links)
+    result = compare(run_id, events, links)
+    return result if objects is None else await _check_objects(result, events, objects)
 
 
-async def verify_run(db: Database, run_id: str) -> VerifyResult:
-    """Recompute one run's chain from `events` and compare it with its seal."""
+async def verify_run(db: Database, run_id: str, objects: ObjectCheck | None = None) -> VerifyResult:
+    """Recompute one run's chain from `events` and compare it with its seal; with `objects`, also
+    check every object its events name."""
     async with snapshot(db) as conn:
-        return await _verify(conn, run_id)
+        return await _verify(conn, run_id, objects)
 
 
-async def verify_batch(db: Database, batch_id: str) -> BatchVerifyResult:
-    """Verify every run of a batch (runs found in `events` or in `seals`)."""
+async def verify_batch(db: Database, batch_id: str, objects: ObjectCheck | None = None) -> BatchVerifyResult:
+    """Verify every run of a batch (runs found in `events` or in `seals`), with `objects` as in
+    `verify_run`."""
     async with snapshot(db) as conn:
         rows = await conn.fetch(
             "SELECT run_id FROM events WHERE batch_id = $1 AND run_id IS NOT NULL "
             "UNION SELECT run_id FROM seals WHERE batch_id = $1 ORDER BY run_id",
             batch_id,
         )
-        results = [await _verify(conn, str(r["run_id"])) for r in rows]
+        results = [await _verify(conn, str(r["run_id"]), objects) for r in rows]
     return BatchVerifyResult(
         batch_id=batch_id,
         runs=tuple(results),
