@@ -152,7 +152,7 @@ async def test_a_full_workdir_disk_fails_its_cases_visibly_and_loses_nothing(
     )
     fill_batch = await p.submit(filling)
     await wait_path(full, timeout_s=60)
-    assert free_bytes(small_disk) == 0
+    assert free_bytes(small_disk) == 0, "the hog filled the disk before saying so"
 
     async def w1_executed() -> bool:
         run = (await p.runs(fill_batch)).get("w1")
