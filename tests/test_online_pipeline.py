@@ -165,10 +165,19 @@ async def test_sampled_production_traces_are_judged_and_every_fate_is_answered(p
     await p.quiescent(timeout_s=60)
     assert await judged(p, suite_id) == len(sampled)
 
-    # every trace's fate, with its reason
+    # every trace's fate, with its reason (a trace not sampled settles on its own timer, so its fate
+    # may be recorded after the sampled ones are judged)
     for trace_id in [*answers, json_trace]:
-        _, answer = await api(p, "GET", f"/v1/online/observations/{trace_id}")
-        mine = sorted((f["fate"], f["reason"]) for f in answer["fates"] if f["suite_id"] == suite_id)
+
+        async def fates(trace_id: str = trace_id) -> list[tuple[str, str]]:
+            _, answer = await api(p, "GET", f"/v1/online/observations/{trace_id}")
+            return sorted((f["fate"], f["reason"]) for f in answer["fates"] if f["suite_id"] == suite_id)
+
+        async def decided(trace_id: str = trace_id) -> bool:
+            return bool(await fates(trace_id)) and (trace_id not in sampled or len(await fates(trace_id)) >= 2)
+
+        await eventually(decided, timeout_s=60, what=f"the fate of {trace_id}", diagnostics=p.diagnostics)
+        mine = await fates()
         if trace_id in sampled:
             assert mine == [("judged", "judged"), ("sampled", "sampled")], trace_id
         else:
