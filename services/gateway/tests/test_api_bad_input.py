@@ -345,6 +345,10 @@ CASES: list[Bad] = [
     Bad("unknown run", "GET", "/v1/runs/evb-nope-c1", 404, "not_found", "run_id"),
     Bad("unknown trajectory", "GET", "/v1/runs/evb-nope-c1/trajectory", 404, "not_found", "run_id"),
     Bad("run id too long", "GET", "/v1/runs/" + "r" * 300, 400, "invalid", "run_id"),
+    Bad("artifact of an unknown run", "GET", "/v1/runs/evb-nope-c1/artifacts/out.bin", 404, "not_found", "run_id"),
+    Bad(
+        "artifact name with a control character", "GET", "/v1/runs/evb-nope-c1/artifacts/a%01b", 400, "invalid", "name"
+    ),
     # ------------------------------------------------ roles, methods, paths
     Bad("member on an admin route", "POST", "/v1/admin/read-models/rebuild", 403, "forbidden", "Authorization"),
     Bad("wrong method", "DELETE", "/v1/batches", 405, "method_not_allowed", "method"),
