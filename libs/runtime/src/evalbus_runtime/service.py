@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -223,6 +224,16 @@ def run_service(
         built = build(service)
         if built is not None:
             await built
+        service.on_start(_freeze_heap)  # last: after every hook the service registered
         await service.run()
 
     asyncio.run(main())
+
+
+async def _freeze_heap(_: Service) -> None:
+    """Move what the process built on its way up (modules, settings, clients) out of the garbage
+    collector's sight: a full collection then scans only what serving allocates. Without it, each
+    full collection of a gateway walked the whole import graph and stalled its event loop for
+    50–90 ms, the tail of every live stream it served."""
+    gc.collect()
+    gc.freeze()
