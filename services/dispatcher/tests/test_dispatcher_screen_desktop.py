@@ -17,6 +17,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from evalbus.testing.pipeline import eventually
 from evalbus.testing.png import decode_png
@@ -26,7 +27,15 @@ from evalbus_dispatcher import LiveSink, LocalBackend, execute_case
 from evalbus_dispatcher.backends.base import SandboxHandle
 from evalbus_dispatcher.execute import MarkFn
 from evalbus_dispatcher.harness_output import parse_line
-from evalbus_dispatcher.screen import MAX_IMAGE_BYTES, NOTHING_DECLARED, Declared, capture, capture_display, frame_of
+from evalbus_dispatcher.screen import (
+    MAX_IMAGE_BYTES,
+    NOTHING_DECLARED,
+    Declared,
+    capture,
+    capture_browser,
+    capture_display,
+    frame_of,
+)
 from evalbus_dispatcher.xwd import XwdError, xwd_to_png
 
 from .conftest import LiveRecord
@@ -223,6 +232,46 @@ async def test_the_choice_between_browser_and_display(x11: X11Tools, sandbox: Sa
         assert (fallback.supported, fallback.found) == (True, True), fallback.reason
         assert fallback.data_url is not None
         assert decode_png(_b64(fallback.data_url)).colours() == {(0, 255, 0)}
+
+
+async def test_a_hung_browser_leaves_the_display_its_share_of_one_budget(x11: X11Tools, sandbox: SandboxHandle) -> None:
+    """A browser that takes the connection and never answers costs half the capture's budget, not
+    each step's own timeout in turn: the display's frame still comes back within the budget (the
+    gateway gives up on a capture after `SCREEN_TIMEOUT_S`)."""
+    answered = asyncio.Event()
+
+    async def hang(_: web.Request) -> web.StreamResponse:
+        await answered.wait()  # never set while the capture runs
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/json/list", hang)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    budget_s = 3.0
+    try:
+        async with aiohttp.ClientSession() as http, running_xvfb(x11, 64, 48) as display:
+            await paint(x11, display, "#0000ff")
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            shot = await capture(
+                http, sandbox, Declared(cdp=f"http://127.0.0.1:{port}", display=display), budget_s=budget_s
+            )
+            took = loop.time() - started
+            assert (shot.supported, shot.found) == (True, True), shot.reason
+            assert shot.data_url is not None
+            assert decode_png(_b64(shot.data_url)).colours() == {(0, 0, 255)}
+            assert budget_s / 2 <= took < budget_s + 1.0, took  # waited its half on the browser, no more
+
+            alone = await capture_browser(http, f"http://127.0.0.1:{port}", budget_s=0.5)
+            assert (alone.supported, alone.found) == (False, False)
+            assert alone.reason == f"the browser at http://127.0.0.1:{port} did not answer within 0.5s"
+    finally:
+        answered.set()
+        await runner.cleanup()
 
 
 async def test_a_released_sandbox_has_no_screen(x11: X11Tools, sandbox: SandboxHandle) -> None:

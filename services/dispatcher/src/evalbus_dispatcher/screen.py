@@ -58,6 +58,7 @@ SCALES = (1, 2, 4)
 MAX_IMAGE_BYTES = 600 * 1024
 """Largest frame (decoded) sent as is; a larger one is captured again as a JPEG, then smaller."""
 CAPTURE_TIMEOUT_S = 10.0
+"""Longest a capture takes in all (the gateway waits `SCREEN_TIMEOUT_S`, 20 s, for its reply)."""
 BLANK = {"about:blank", "chrome://newtab/", "chrome://new-tab-page/", ""}
 NOTHING_DECLARED = "the harness declared no screen (EVALBUS_CDP or EVALBUS_DISPLAY)"
 
@@ -103,28 +104,39 @@ async def _screenshot(session: aiohttp.ClientSession, ws_url: str, params: dict[
     raise RuntimeError("the page closed the DevTools connection")
 
 
-async def capture(session: aiohttp.ClientSession, handle: SandboxHandle, declared: Declared) -> ScreenReply:
-    """One frame of what the harness declared: its browser's work tab, else (no browser, or one
-    that did not answer) its X display."""
+async def capture(
+    session: aiohttp.ClientSession, handle: SandboxHandle, declared: Declared, *, budget_s: float = CAPTURE_TIMEOUT_S
+) -> ScreenReply:
+    """One frame of what the harness declared, within `budget_s` in all: its browser's work tab,
+    else (no browser, or one that did not answer) its X display. With both declared the browser
+    gets half the budget, so a hung browser leaves the display its time."""
+    deadline = asyncio.get_running_loop().time() + budget_s
     if declared.cdp:
-        shot = await capture_browser(session, declared.cdp)
+        shot = await capture_browser(session, declared.cdp, budget_s=budget_s / 2 if declared.display else budget_s)
         if shot.supported or not declared.display:
             return shot
     if declared.display:
-        return await capture_display(handle, declared.display)
+        remaining = max(0.1, deadline - asyncio.get_running_loop().time())
+        return await capture_display(handle, declared.display, budget_s=remaining)
     return ScreenReply(supported=False, found=False, reason=NOTHING_DECLARED)
 
 
-async def capture_browser(session: aiohttp.ClientSession, endpoint: str | None) -> ScreenReply:
-    """One frame of the work tab of the browser at `endpoint`."""
+async def capture_browser(
+    session: aiohttp.ClientSession, endpoint: str | None, *, budget_s: float = CAPTURE_TIMEOUT_S
+) -> ScreenReply:
+    """One frame of the work tab of the browser at `endpoint`, within `budget_s` in all."""
     if not endpoint:
         return ScreenReply(supported=False, found=False, reason="the harness declared no browser (EVALBUS_CDP)")
     base = endpoint.rstrip("/").replace("ws://", "http://").replace("wss://", "https://")
-    timeout = aiohttp.ClientTimeout(total=CAPTURE_TIMEOUT_S)
+    deadline = asyncio.get_running_loop().time() + budget_s
     try:
-        async with session.get(f"{base}/json/list", timeout=timeout) as resp:
-            targets = await resp.json(content_type=None)
-    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        async with asyncio.timeout_at(deadline):
+            async with session.get(f"{base}/json/list") as resp:
+                targets = await resp.json(content_type=None)
+    except TimeoutError:
+        reason = f"the browser at {base} did not answer within {budget_s:g}s"
+        return ScreenReply(supported=False, found=False, reason=reason)
+    except (aiohttp.ClientError, ValueError) as e:
         return ScreenReply(supported=False, found=False, reason=f"the browser at {base} did not answer: {e}")
     page = work_tab(targets if isinstance(targets, list) else [])
     if page is None:
@@ -139,13 +151,18 @@ async def capture_browser(session: aiohttp.ClientSession, endpoint: str | None) 
         ),
     ]
     try:
-        for media, params in attempts:
-            async with asyncio.timeout(CAPTURE_TIMEOUT_S):
+        async with asyncio.timeout_at(deadline):
+            for media, params in attempts:
                 image = await _screenshot(session, str(page["webSocketDebuggerUrl"]), params)
-            if len(image) <= MAX_IMAGE_BYTES:
-                data_url = f"data:{media};base64," + base64.b64encode(image).decode("ascii")
-                return ScreenReply(supported=True, found=True, data_url=data_url, target=url)
-    except (aiohttp.ClientError, TimeoutError, RuntimeError, KeyError, ValueError) as e:
+                if len(image) <= MAX_IMAGE_BYTES:
+                    data_url = f"data:{media};base64," + base64.b64encode(image).decode("ascii")
+                    return ScreenReply(supported=True, found=True, data_url=data_url, target=url)
+    except TimeoutError:
+        log.warning("screen capture of %s took longer than %gs", url, budget_s)
+        return ScreenReply(
+            supported=True, found=False, target=url, reason=f"the capture took longer than {budget_s:g}s"
+        )
+    except (aiohttp.ClientError, RuntimeError, KeyError, ValueError) as e:
         log.warning("screen capture of %s failed: %s", url, e)
         return ScreenReply(supported=True, found=False, target=url, reason=f"the capture failed: {e}")
     return ScreenReply(supported=True, found=False, target=url, reason="the frame is too large to send")
@@ -179,19 +196,20 @@ def frame_of(dump: bytes, display: str) -> ScreenReply:
     )
 
 
-async def capture_display(handle: SandboxHandle, display: str) -> ScreenReply:
-    """One frame of X display `display`, dumped by `xwd` inside the sandbox (`dump_command`)."""
+async def capture_display(handle: SandboxHandle, display: str, *, budget_s: float = CAPTURE_TIMEOUT_S) -> ScreenReply:
+    """One frame of X display `display`, dumped by `xwd` inside the sandbox (`dump_command`) within
+    `budget_s`."""
     target = f"display {display}"
     if not isinstance(handle, Interactive):
         return ScreenReply(supported=False, found=False, target=target, reason="the sandbox cannot run commands")
     try:
-        done = await handle.exec_live(dump_command(display), CAPTURE_TIMEOUT_S, cap_bytes=DUMP_MAX_BYTES)
+        done = await handle.exec_live(dump_command(display), budget_s, cap_bytes=DUMP_MAX_BYTES)
     except BackendError as e:
         return ScreenReply(supported=False, found=False, target=target, reason=f"no live sandbox: {e}")
     except OSError as e:
         return ScreenReply(supported=True, found=False, target=target, reason=f"the capture could not start: {e}")
     if done.timed_out:
-        reason = f"the capture took longer than {CAPTURE_TIMEOUT_S:g}s"
+        reason = f"the capture took longer than {budget_s:g}s"
         return ScreenReply(supported=True, found=False, target=target, reason=reason)
     if done.truncated:
         reason = f"the screen dump is over {DUMP_MAX_BYTES // (1024 * 1024)} MiB"
