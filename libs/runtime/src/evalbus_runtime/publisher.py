@@ -116,8 +116,14 @@ class Publisher:
     async def publish_nowait(self, event: EventBase) -> None:
         """Publish one event without waiting for JetStream's acknowledgement: for best-effort data
         (the LIVE stream's log chunks and marks), where a lost message costs a live view a line,
-        never a result, and an ack round trip per chunk would slow the run down."""
-        await self._nc.publish(event.subject(), encode(event), headers=event_headers(event))
+        never a result, and an ack round trip per chunk would slow the run down.
+
+        Without `Nats-Msg-Id`: such a publish is sent once and never retried, so there is nothing
+        for JetStream to deduplicate, and each id would sit in the stream's duplicate table for
+        its whole window (about ten per case, the largest part of nats-server's work per case)."""
+        headers = event_headers(event)
+        del headers["Nats-Msg-Id"]
+        await self._nc.publish(event.subject(), encode(event), headers=headers)
 
     async def publish_events(self, events: Iterable[EventBase]) -> list[PubAck]:
         """Publish several events concurrently; all must be acknowledged."""

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import os
 import time
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -41,6 +40,7 @@ from evalbus_contracts import (
     decode_event,
     lane_consumer,
     lane_problem,
+    new_event_id,
     subjects,
 )
 from evalbus_contracts.control import TERMINAL_PING_S
@@ -169,7 +169,7 @@ class LiveBus:
         self._pub = publisher
         self._req = req
         self._run_id = run_id_of(req)
-        self._execution = uuid.uuid4().hex[:16]
+        self._execution = new_event_id()[:16]
         self._seq = {"stdout": 0, "stderr": 0, "trace": 0, "infra": 0, "placement": 0}
         self.offset = 0
         """Bytes of the run's live log published so far (where the next chunk starts)."""
