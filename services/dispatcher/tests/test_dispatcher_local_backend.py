@@ -15,7 +15,7 @@ import pytest
 
 from evalbus_contracts import CaseRequested, PromptSnapshot, RepoSnapshot, TraceSpec
 from evalbus_dispatcher import BackendError, LocalBackend, OutputStream
-from evalbus_dispatcher.backends.local import REDACTED, merge_resource_attributes
+from evalbus_dispatcher.backends.local import REDACTED, SMALL_TREE_ENTRIES, is_small_tree, merge_resource_attributes
 
 pytestmark = pytest.mark.integration
 
@@ -361,3 +361,26 @@ async def test_a_leftover_holding_the_pipes_does_not_hang_the_run(
     finally:
         await handle.release()
     assert await wait_until(lambda: process_gone(leftover))
+
+
+def test_a_small_tree_is_told_from_a_large_one_without_walking_all_of_it(tmp_path: Path) -> None:
+    root = tmp_path / "case"
+    (root / "work" / "deep").mkdir(parents=True)
+    (root / "input.txt").write_text("x")
+    (root / "work" / "deep" / "a").write_text("a")
+    assert is_small_tree(root, 4)  # work, input.txt, deep, a
+    assert not is_small_tree(root, 3)
+    (root / "link").symlink_to(tmp_path.parent)  # counted, never followed
+    assert is_small_tree(root, 5)
+    for i in range(SMALL_TREE_ENTRIES):
+        (root / "work" / f"f{i}").write_text("")
+    assert not is_small_tree(root, SMALL_TREE_ENTRIES)
+
+
+async def test_release_deletes_a_large_workdir_too(backend: LocalBackend, make_request: MakeRequest) -> None:
+    handle = await backend.provision(make_request(("true",)))
+    for i in range(SMALL_TREE_ENTRIES + 1):  # past the inline limit: deleted in a thread
+        (handle.workdir / f"f{i}").write_text("x")
+    case_root = handle.workdir.parent
+    await handle.release()
+    assert not case_root.exists()

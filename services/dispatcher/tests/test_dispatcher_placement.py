@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -22,6 +23,7 @@ from evalbus_contracts.streams import DISPATCHERS
 from evalbus_dispatcher import LiveSink, LocalBackend, OnOutput, execute_case
 from evalbus_dispatcher.backends.base import Capacity, HarnessRun, OnSpawn, UnitUsage
 from evalbus_dispatcher.execute import Queued
+from evalbus_dispatcher.placement import Sampler
 from evalbus_dispatcher.presence import Presence, status_key
 from evalbus_grading import ExecResult
 from evalbus_runtime import connect, ensure_topology
@@ -258,3 +260,32 @@ async def test_a_replica_keeps_its_slots_and_runs_in_the_bucket_and_leaves_it_on
 
     await presence.stop()
     assert await status() is None
+
+
+async def test_the_sampler_reads_a_quick_usage_on_the_loop_and_the_blocking_one_only_when_it_cannot() -> None:
+    loop_thread: list[bool] = []
+    published: list[PlacementSample] = []
+    quick_answers: list[UnitUsage | None] = [UnitUsage(pid=7, processes=1, rss_bytes=4096, cpu_seconds=0.5), None]
+    main = threading.get_ident()
+
+    def usage() -> UnitUsage | None:
+        loop_thread.append(threading.get_ident() == main)
+        return UnitUsage(pid=7, processes=2, rss_bytes=8192, cpu_seconds=1.0)
+
+    def quick() -> UnitUsage | None:
+        return quick_answers.pop(0)
+
+    async def publish(sample: PlacementSample) -> None:
+        published.append(sample)
+
+    sampler = Sampler(usage, publish, dispatcher="d-1", node=None, timeout_s=None, interval_s=3600, quick=quick)
+    await sampler.start(7)  # the quick read answers: no thread, no blocking read
+    assert loop_thread == []
+    assert (published[-1].processes, published[-1].rss_bytes) == (1, 4096)
+    await sampler.finish(None)
+
+    again = Sampler(usage, publish, dispatcher="d-1", node=None, timeout_s=None, interval_s=3600, quick=quick)
+    await again.start(7)  # the quick read cannot tell: the blocking one, in a thread
+    assert loop_thread == [False]
+    assert (published[-1].processes, published[-1].rss_bytes) == (2, 8192)
+    await again.finish(None)

@@ -29,7 +29,11 @@ Publish = Callable[[PlacementSample], Awaitable[None]]
 
 
 class Sampler:
-    """Samples one harness run: `start(pid)` once it spawned, `finish(run)` once it exited."""
+    """Samples one harness run: `start(pid)` once it spawned, `finish(run)` once it exited.
+
+    `usage` may block (a cluster's API), so it is called in a thread; `quick`, when the backend
+    has one, is tried first on the event loop (a thread hop per sample cost a warm-worker case
+    more than reading its stat file)."""
 
     def __init__(
         self,
@@ -40,8 +44,10 @@ class Sampler:
         node: str | None,
         timeout_s: float | None,
         interval_s: float = SAMPLE_INTERVAL_S,
+        quick: Callable[[], UnitUsage | None] | None = None,
     ) -> None:
         self._usage = usage
+        self._quick = quick
         self._publish = publish
         self._dispatcher = dispatcher
         self._node = node
@@ -77,6 +83,10 @@ class Sampler:
 
     async def _read(self) -> UnitUsage | None:
         try:
+            if self._quick is not None:  # on the loop when the backend can tell at once
+                found = self._quick()
+                if found is not None:
+                    return found
             return await asyncio.to_thread(self._usage)
         except Exception:
             log.warning("reading the sandbox's usage failed", exc_info=True)

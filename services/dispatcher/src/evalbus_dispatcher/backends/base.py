@@ -175,6 +175,16 @@ class Shell(Protocol):
 
 
 @runtime_checkable
+class QuickUsage(Protocol):
+    """A sandbox that can often tell its usage without blocking (a few `/proc` files)."""
+
+    def quick_usage(self) -> UnitUsage | None:
+        """`usage()` when it can be read at once on the event loop; None when only the blocking
+        `usage()` can tell (the sampler then calls that in a thread)."""
+        ...
+
+
+@runtime_checkable
 class Interactive(Protocol):
     """A sandbox a person can act in while it lives (the live actions: exec, terminal)."""
 

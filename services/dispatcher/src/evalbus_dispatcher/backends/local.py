@@ -387,6 +387,24 @@ async def _run_process(
 # ---------------------------------------------------------------- backend
 
 
+SMALL_TREE_ENTRIES = 64
+"""A workdir of at most this many files and folders is deleted on the event loop (tens of
+microseconds); a larger one in a thread. A thread hop per case cost more than the deletion
+itself: with the zero-latency worker harness, the release's two hops were a third of the
+dispatcher's CPU per case."""
+
+
+def is_small_tree(root: Path, limit: int) -> bool:
+    """Whether the tree at `root` holds at most `limit` entries (its symlinks are not followed;
+    the walk stops as soon as it has seen more)."""
+    seen = 0
+    for _, dirs, files in os.walk(root):
+        seen += len(dirs) + len(files)
+        if seen > limit:
+            return False
+    return True
+
+
 class LocalBackend:
     """Sandboxes as temporary workdirs and process groups on this machine."""
 
@@ -423,6 +441,8 @@ class LocalBackend:
         self._node = platform.node() or None
         self._workers: WorkerPool | None = None
         self._owner = _owner_mark(os.getpid())  # read once: /proc costs a few syscalls per case
+        self._live: set[LocalSandbox] = set()
+        """Sandboxes provisioned and not yet released: their processes are nobody's orphans."""
 
     @property
     def root(self) -> Path | None:
@@ -505,6 +525,7 @@ class LocalBackend:
             cap=self._cap,
             workers=self.workers if job.harness.kind == "worker" else None,
             adopting=self._adopting,
+            peers=self._live,
         )
 
     def _slot_freed(self) -> None:
@@ -538,9 +559,12 @@ class LocalSandbox:
         cap: int,
         workers: WorkerPool | None = None,
         adopting: bool = False,
+        peers: set[LocalSandbox] | None = None,
     ) -> None:
         self._job = job
         self._adopting = adopting
+        self._peers = peers if peers is not None else set()
+        """The backend's live sandboxes, this one among them until it is released."""
         self._workers = workers
         self._case_root = case_root
         self.workdir = workdir
@@ -557,6 +581,7 @@ class LocalSandbox:
         self._pgid: int | None = None
         self._released = False
         self._redact = _redactor(secret_env.values())
+        self._peers.add(self)
 
     @property
     def unit(self) -> str | None:
@@ -583,10 +608,25 @@ class LocalSandbox:
         or once none of it is left)."""
         if self._pgid is None:
             return None
+        # the tree under a live leader: a few reads; the whole of /proc only once the leader is gone
+        quick = self.quick_usage()
+        if quick is not None or self._workers is not None:
+            return quick
+        found = procfs.group_usage(self._pgid)
+        if found is None:
+            return None
+        return UnitUsage(
+            pid=self._pgid, processes=found.processes, rss_bytes=found.rss_bytes, cpu_seconds=found.cpu_seconds
+        )
+
+    def quick_usage(self) -> UnitUsage | None:
+        """`usage()` when it costs a few reads: a warm worker's own stat file, or the tree under a
+        live leader (None once the leader is gone: that needs the whole of /proc)."""
+        if self._pgid is None:
+            return None
         if self._workers is not None:
             return self._workers.usage(self._pgid)
-        # the tree under a live leader: a few reads; the whole of /proc only once the leader is gone
-        found = procfs.tree_usage(self._pgid) or procfs.group_usage(self._pgid)
+        found = procfs.tree_usage(self._pgid)
         if found is None:
             return None
         return UnitUsage(
@@ -766,12 +806,22 @@ class LocalSandbox:
             for pgid in self._groups:
                 _signal_group(pgid, signal.SIGKILL)
             if self._adopting:  # the daemons it forked, re-parented to this process
-                ours = self._groups | (self._workers.pids() if self._workers is not None else set())
-                await asyncio.to_thread(orphans.kill_adopted, self._case_root, ours)
-            await asyncio.to_thread(shutil.rmtree, self._case_root, ignore_errors=True)
+                # Every process a live sandbox started (and every warm worker) is known: a child
+                # of this process outside them is an orphan. None (the common case, found with a
+                # few small reads) needs no thread.
+                ours = set(self._workers.pids()) if self._workers is not None else set()
+                for sandbox in self._peers:
+                    ours |= sandbox._groups
+                if orphans.others(ours):
+                    await asyncio.to_thread(orphans.kill_adopted, self._case_root, ours)
+            if is_small_tree(self._case_root, SMALL_TREE_ENTRIES):
+                shutil.rmtree(self._case_root, ignore_errors=True)
+            else:
+                await asyncio.to_thread(shutil.rmtree, self._case_root, ignore_errors=True)
             if self._case_root.exists():
                 raise BackendError(f"workdir {self._case_root} could not be deleted", code="release_failed")
         finally:
+            self._peers.discard(self)
             self._free_slot()
 
     def _check_live(self) -> None:

@@ -70,6 +70,13 @@ def children() -> set[int]:
     return found
 
 
+def others(spawned: Collection[int]) -> set[int]:
+    """This process's children other than `spawned`: where adopted orphans (and the processes of
+    other sandboxes) would be. Cheap (a few small `/proc` files), so it can run on the event loop:
+    when it is empty there is nothing for `kill_adopted` to do."""
+    return children() - set(spawned)
+
+
 def _belongs(pid: int, case_root: Path) -> bool:
     """Whether process `pid` was started in the sandbox at `case_root` (by its environment, or
     by its working directory)."""
