@@ -5,15 +5,18 @@ a terminal resize the program sees, a secret the store lacks, secret values kept
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from evalbus.testing.fake_docker import DEFAULT_IMAGE, FakeDocker
 from evalbus.testing.pipeline import eventually
+from evalbus.testing.tls import make_test_certs
 from evalbus_contracts import CasePlan, CaseRequested, CaseSpec, CommandHarness, ComputeSpec, TestsPassGrader
 from evalbus_contracts.runner import JOB_ENV
 from evalbus_dispatcher.backends.docker import DockerSandbox, connect_docker
@@ -256,3 +259,65 @@ async def test_an_older_engine_is_spoken_to_in_its_own_api_version() -> None:
         finally:
             await ancient.close()
         assert older.violations == too_old.violations == []
+
+
+@pytest.mark.integration
+async def test_an_engine_behind_tls_is_reached_with_the_docker_cli_files(tmp_path: Path) -> None:
+    """`DOCKER_TLS_VERIFY` as the docker CLI does it: the engine's certificate checked against
+    `ca.pem`, the client's own certificate presented (the fake, like `dockerd --tlsverify`, refuses
+    a connection without one) — on the API calls and on the hijacked exec connection alike."""
+    certs = make_test_certs(tmp_path / "tls")
+    store = SecretStore({"EVALBUS_SECRET_API_KEY": SECRET})
+    async with FakeDocker(tls=certs.server_context()) as engine:
+        template = DockerTemplate(image=DEFAULT_IMAGE, runner_command=(sys.executable, "-m", "evalbus.runner"))
+        backend = connect_docker(template, store, host=engine.tcp_host, tls_verify=True, cert_path=certs.client)
+        lines: list[str] = []
+
+        async def out(_stream: str, line: str) -> None:
+            lines.append(line)
+
+        try:
+            code = "import os, time\nprint('over tls', flush=True)\nwhile not os.path.exists('go'):\n    time.sleep(0.02)\n"
+            sandbox = await backend.provision(request(code))
+            assert isinstance(sandbox, DockerSandbox)
+            running = asyncio.create_task(sandbox.run_harness(out))
+            await eventually(lambda: "over tls" in lines, timeout_s=30, what="the harness to run")
+            done = await sandbox.exec_live("echo hijacked; touch go", 30, cap_bytes=4096)  # the hijacked connection
+            assert (done.exit_code, done.stdout.strip()) == (0, "hijacked")
+            run = await running
+            assert run.exit_code == 0
+            await sandbox.release()
+        finally:
+            await backend.close()
+        assert engine.violations == []
+        assert not engine.containers
+
+        no_client_cert = tmp_path / "ca-only"
+        no_client_cert.mkdir()
+        (no_client_cert / "ca.pem").write_bytes((certs.client / "ca.pem").read_bytes())
+        refused = connect_docker(template, store, host=engine.tcp_host, tls_verify=True, cert_path=no_client_cert)
+        other = make_test_certs(tmp_path / "other")
+        untrusted = connect_docker(template, store, host=engine.tcp_host, tls_verify=True, cert_path=other.client)
+        plain = connect_docker(template, store, host=engine.tcp_host)
+        for backend in (refused, untrusted, plain):
+            try:
+                with pytest.raises(BackendError) as caught:
+                    await backend.provision(request())
+                assert "cannot be reached" in caught.value.message, caught.value.message
+            finally:
+                await backend.close()
+
+
+@pytest.mark.unit
+def test_tls_settings_that_cannot_work_are_refused_with_the_reason(tmp_path: Path) -> None:
+    template = DockerTemplate(image=DEFAULT_IMAGE)
+    with pytest.raises(ValueError, match="need a tcp:// DOCKER_HOST"):
+        connect_docker(template, SecretStore({}), host="unix:///var/run/docker.sock", tls_verify=True)
+    with pytest.raises(ValueError, match=r"DOCKER_TLS_VERIFY needs the engine's CA in .*ca\.pem"):
+        connect_docker(template, SecretStore({}), host="tcp://127.0.0.1:2376", tls_verify=True, cert_path=tmp_path)
+    (tmp_path / "cert.pem").write_text("not a certificate")
+    (tmp_path / "key.pem").write_text("not a key")
+    with pytest.raises(ValueError, match="cannot be used"):
+        connect_docker(template, SecretStore({}), host="tcp://127.0.0.1:2376", tls=True, cert_path=tmp_path)
+    with pytest.raises(ValueError, match="pass its context"):
+        DockerEngine(dataclasses.replace(parse_host("tcp://127.0.0.1:2376"), tls=True))

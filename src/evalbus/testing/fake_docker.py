@@ -34,6 +34,7 @@ import os
 import re
 import secrets
 import signal
+import ssl
 import struct
 import tempfile
 import termios
@@ -197,6 +198,7 @@ class FakeDocker:
         mem_total: int = 4 * 1024**3,
         labels: Iterable[str] = (),
         name: str = "fake-engine",
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.images = {normalize(i) for i in images}
         """Images the "registry" has: pulling them works."""
@@ -222,6 +224,8 @@ class FakeDocker:
         self._runner: web.AppRunner | None = None
         self.host = ""
         self.tcp_host = ""
+        self._tls = tls
+        """Serve the TCP address over TLS with this server context (`dockerd --tlsverify`)."""
 
     async def __aenter__(self) -> FakeDocker:
         app = web.Application(middlewares=[self._check_version])
@@ -251,7 +255,7 @@ class FakeDocker:
         await self._runner.setup()
         socket_path = self._root / "docker.sock"
         await web.UnixSite(self._runner, str(socket_path)).start()
-        tcp = web.TCPSite(self._runner, "127.0.0.1", 0)
+        tcp = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=self._tls)
         await tcp.start()
         server = tcp._server
         assert isinstance(server, asyncio.Server)

@@ -124,6 +124,13 @@ class DispatcherSettings(ServiceSettings):
     """Nomad Variables path a harness's secret name is read under (`<prefix>/<name>`, item `value`)."""
     docker_host: str = "unix:///var/run/docker.sock"
     """The Docker engine (`DISPATCHER_DOCKER_HOST`, then `DOCKER_HOST`): `unix:///path` or `tcp://host:port`."""
+    docker_tls_verify: bool = False
+    """TLS to a `tcp://` engine, its certificate checked against `ca.pem` in `docker_cert_path`
+    (`DISPATCHER_DOCKER_TLS_VERIFY`, then `DOCKER_TLS_VERIFY`, as the docker CLI reads it)."""
+    docker_tls: bool = False
+    """TLS to a `tcp://` engine without checking its certificate (`DOCKER_TLS`); prefer `docker_tls_verify`."""
+    docker_cert_path: str = ""
+    """Folder of `ca.pem`, `cert.pem`, `key.pem` (`DOCKER_CERT_PATH`; empty: `~/.docker`)."""
     docker_api_version: str = "1.43"
     """Engine API version the requests are prefixed with (`/v1.43/…`)."""
     docker_network: str = "bridge"
@@ -405,7 +412,14 @@ def docker_backend(settings: DispatcherSettings, secrets: SecretStore) -> Docker
     template = DockerTemplate(image=settings.image, network=settings.docker_network,
                               start_timeout_s=settings.start_timeout_s)  # fmt: skip
     return connect_docker(
-        template, secrets, host=settings.docker_host, api_version=settings.docker_api_version, slots=settings.slots
+        template,
+        secrets,
+        host=settings.docker_host,
+        api_version=settings.docker_api_version,
+        slots=settings.slots,
+        tls_verify=settings.docker_tls_verify,
+        tls=settings.docker_tls,
+        cert_path=Path(settings.docker_cert_path).expanduser() if settings.docker_cert_path else None,
     )
 
 

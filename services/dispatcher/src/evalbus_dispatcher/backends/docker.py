@@ -30,12 +30,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
 import math
+import ssl
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from evalbus_contracts import CaseRequested, PromptSnapshot, Snapshot
@@ -78,6 +81,7 @@ from evalbus_dispatcher.backends.docker_engine import (
     Hijacked,
     parse_host,
     query,
+    tls_context,
 )
 from evalbus_dispatcher.backends.job_log import JobLog, LineSplitter, UnitEnd
 from evalbus_dispatcher.backends.job_spec import run_of, runner_job
@@ -645,9 +649,22 @@ def connect_docker(
     host: str = DEFAULT_HOST,
     api_version: str = API_VERSION,
     slots: int = 4,
+    tls_verify: bool = False,
+    tls: bool = False,
+    cert_path: Path | None = None,
 ) -> DockerBackend:
-    """A backend on the engine at `host` (`DOCKER_HOST`: `unix:///path` or `tcp://host:port`)."""
-    engine = DockerEngine(parse_host(host), api_version=api_version)
+    """A backend on the engine at `host` (`DOCKER_HOST`: `unix:///path` or `tcp://host:port`), over
+    TLS with `tls_verify` (the engine authenticated by `cert_path`'s `ca.pem`) or `tls` (encrypted
+    only), the client certificate from `cert_path` (default `~/.docker`), as the docker CLI does.
+    `ValueError` for an address or TLS files that cannot be used."""
+    address = parse_host(host)
+    context: ssl.SSLContext | None = None
+    if tls_verify or tls:
+        if address.kind != "tcp":
+            raise ValueError(f"DOCKER_TLS_VERIFY / DOCKER_TLS need a tcp:// DOCKER_HOST, not {host!r}")
+        address = dataclasses.replace(address, tls=True)
+        context = tls_context(cert_path or Path.home() / ".docker", verify=tls_verify)
+    engine = DockerEngine(address, api_version=api_version, tls=context)
     return DockerBackend(engine, template, secrets, slots=slots)
 
 

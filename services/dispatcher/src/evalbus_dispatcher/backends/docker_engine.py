@@ -1,5 +1,5 @@
 """A small asynchronous client of the Docker Engine API: HTTP over the engine's unix socket (or a
-`tcp://` address), version-prefixed paths (`/v1.43/...`), the multiplexed stream framing, and the
+`tcp://` address, with TLS as the docker CLI does it: `tls_context`), version-prefixed paths (`/v1.43/...`), the multiplexed stream framing, and the
 hijacked connection of an attached exec.
 
 Why not the official `docker` SDK: it is synchronous (every call, and every streamed log or exec
@@ -16,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -50,21 +52,27 @@ class EngineAddress:
     """Where the engine listens."""
 
     kind: Literal["unix", "tcp"]
-    """A unix socket or a TCP address (plain HTTP: no TLS here)."""
+    """A unix socket or a TCP address."""
     path: str = ""
     """The socket's path (unix)."""
     host: str = ""
     """Host name or address (tcp)."""
     port: int = 2375
     """Port (tcp)."""
+    tls: bool = False
+    """Whether the TCP connection is TLS (HTTPS), as with `DOCKER_TLS_VERIFY` or `DOCKER_TLS`."""
 
     @property
     def base_url(self) -> str:
         """The URL requests are made under (the socket's requests name a placeholder host)."""
-        return "http://docker" if self.kind == "unix" else f"http://{self.host}:{self.port}"
+        if self.kind == "unix":
+            return "http://docker"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     def __str__(self) -> str:
-        return f"unix://{self.path}" if self.kind == "unix" else f"tcp://{self.host}:{self.port}"
+        if self.kind == "unix":
+            return f"unix://{self.path}"
+        return f"tcp://{self.host}:{self.port}" + (" (TLS)" if self.tls else "")
 
 
 def parse_host(text: str) -> EngineAddress:
@@ -82,7 +90,36 @@ def parse_host(text: str) -> EngineAddress:
         if not parts.hostname:
             raise ValueError(f"DOCKER_HOST {text!r}: no host")
         return EngineAddress(kind="tcp", host=parts.hostname, port=parts.port or 2375)
-    raise ValueError(f"DOCKER_HOST {text!r} is neither unix:///path nor tcp://host:port (TLS is not supported)")
+    raise ValueError(f"DOCKER_HOST {text!r} is neither unix:///path nor tcp://host:port")
+
+
+TLS_FILES = ("ca.pem", "cert.pem", "key.pem")
+"""What a `DOCKER_CERT_PATH` folder holds, as the docker CLI reads it: the engine's CA, the client's
+certificate and its key."""
+
+
+def tls_context(cert_path: Path, *, verify: bool) -> ssl.SSLContext:
+    """The client side of the engine's TLS, as the docker CLI sets it up from `DOCKER_CERT_PATH`:
+    the client certificate (`cert.pem`, `key.pem`) when the folder has one — an engine started with
+    `--tlsverify` asks for it — and, with `verify` (`DOCKER_TLS_VERIFY`), the engine's certificate
+    checked against `ca.pem` and the host name; without it (`DOCKER_TLS`) the connection is
+    encrypted but the engine is not authenticated. `ValueError` naming the file that is missing or
+    unreadable."""
+    ca, cert, key = (cert_path / name for name in TLS_FILES)
+    try:
+        if verify:
+            if not ca.is_file():
+                raise ValueError(f"DOCKER_TLS_VERIFY needs the engine's CA in {ca}")
+            context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ca))
+        else:
+            context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        if cert.is_file() or key.is_file():
+            context.load_cert_chain(str(cert), str(key))
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"the Docker TLS files in {cert_path} cannot be used: {e}") from e
+    return context
 
 
 class FrameSplitter:
@@ -134,8 +171,18 @@ class Hijacked:
 class DockerEngine:
     """The Engine API at one address, through one aiohttp session (made on first use)."""
 
-    def __init__(self, address: EngineAddress, *, api_version: str = API_VERSION, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        address: EngineAddress,
+        *,
+        api_version: str = API_VERSION,
+        timeout_s: float = 30.0,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        if address.tls and tls is None:
+            raise ValueError(f"the Docker engine at {address} is spoken to over TLS: pass its context (tls_context)")
         self.address = address
+        self._tls = tls if address.tls else None
         self.api_version = api_version
         """The version requests are prefixed with: the one asked for, or the engine's own when older."""
         self._negotiated = False
@@ -145,7 +192,9 @@ class DockerEngine:
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             connector: aiohttp.BaseConnector = (
-                aiohttp.UnixConnector(path=self.address.path) if self.address.kind == "unix" else aiohttp.TCPConnector()
+                aiohttp.UnixConnector(path=self.address.path)
+                if self.address.kind == "unix"
+                else aiohttp.TCPConnector(ssl=self._tls if self._tls is not None else False)
             )
             self._session = aiohttp.ClientSession(
                 base_url=self.address.base_url,
@@ -248,6 +297,10 @@ class DockerEngine:
             async with asyncio.timeout(timeout_s or self._timeout_s):
                 if address.kind == "unix":
                     reader, writer = await asyncio.open_unix_connection(address.path)
+                elif self._tls is not None:
+                    reader, writer = await asyncio.open_connection(
+                        address.host, address.port, ssl=self._tls, server_hostname=address.host
+                    )
                 else:
                     reader, writer = await asyncio.open_connection(address.host, address.port)
                 data = json.dumps(body).encode("utf-8")
@@ -262,7 +315,7 @@ class DockerEngine:
                 while (line := (await reader.readuntil(b"\r\n")).decode("latin-1")) != "\r\n":
                     name, _, value = line.partition(":")
                     headers[name.strip().lower()] = value.strip()
-        except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:  # ssl.SSLError too
             raise EngineError(0, f"the Docker engine at {address} cannot be reached: {type(e).__name__}: {e}") from e
         parts = status_line.split(" ", 2)
         status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
