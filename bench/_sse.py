@@ -39,8 +39,8 @@ from aiohttp import web
 from bench._stats import mean, percentile
 from nats.aio.msg import Msg
 
+from evalbus_api.client import SseEvent, SseParser
 from evalbus_gateway.api.sse import event_type, frame
-from evalbus_gateway.client import SseEvent, SseParser
 from evalbus_runtime import connect
 
 TOKEN_ENV = "BENCH_SSE_TOKEN"

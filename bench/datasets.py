@@ -45,8 +45,8 @@ from nats.js import JetStreamContext
 
 from evalbus.cli.upload import UploadProgress, offload_cases
 from evalbus.infra.nats import MAX_PAYLOAD_ENV, STOCK_MAX_PAYLOAD
+from evalbus_api.client import GatewayClient
 from evalbus_contracts import BatchSpec, CasePlan, CaseRequested, CaseSpec, SuiteSpec, encode
-from evalbus_gateway.client import GatewayClient
 from evalbus_runtime import connect
 
 GOAL_S = 10.0

@@ -40,6 +40,8 @@ from bench._infra import Infra, pipeline_stack, quiet_logs, running
 from bench._report import fmt, report
 from nats.aio.msg import Msg
 
+from evalbus_api.client import GatewayClient
+from evalbus_api.views import BatchView
 from evalbus_contracts import (
     BatchSpec,
     CaseExecuted,
@@ -54,8 +56,6 @@ from evalbus_contracts import (
     batch_run_id,
     encode_token,
 )
-from evalbus_gateway.client import GatewayClient
-from evalbus_gateway.store import BatchView
 from evalbus_runtime import Publisher, connect
 
 JUDGES = (ExactJudge(id="exact"), RegexJudge(id="digits", pattern=r"^\d+$"), ContainsJudge(id="contains"))

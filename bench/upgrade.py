@@ -40,8 +40,8 @@ from bench._infra import REPO_ROOT, Infra, pipeline_stack, quiet_logs, running
 from bench._report import report
 
 from evalbus.testing.stack import SERVICES, ServiceStack
+from evalbus_api.client import ApiRequestError, GatewayClient
 from evalbus_contracts import BatchSpec, CaseSpec, CommandHarness, ExactJudge, SuiteSpec, batch_run_id
-from evalbus_gateway.client import ApiRequestError, GatewayClient
 from evalbus_gateway.database import create_pool
 from evalbus_gateway.store import verify_batch
 from evalbus_runtime import connect

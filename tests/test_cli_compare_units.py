@@ -21,10 +21,10 @@ from evalbus.cli.gates import (
     with_gate_options,
 )
 from evalbus.cli.progress import BatchProgress
+from evalbus_api.client import GatewayClient
+from evalbus_api.views import BatchView
 from evalbus_contracts import Measured
 from evalbus_gateway.aggregate import RunOutcome, summarize
-from evalbus_gateway.client import GatewayClient
-from evalbus_gateway.store.queries import BatchView
 from evalbus_gateway.testing import batch_spec
 from evalbus_grading.compare import CaseRun, compare
 from evalbus_grading.gates import GateResult

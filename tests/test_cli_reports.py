@@ -15,9 +15,9 @@ from datetime import UTC, datetime
 import pytest
 
 from evalbus.cli.reports import junit_xml, summary_markdown
+from evalbus_api.views import BatchView, RunView
 from evalbus_contracts import CaseFailure, Measured, Unmeasured
 from evalbus_gateway.aggregate import RunOutcome, summarize
-from evalbus_gateway.store.queries import BatchView, RunView
 from evalbus_grading.gates import GateResult
 
 pytestmark = pytest.mark.unit

@@ -15,6 +15,8 @@ from evalbus.cli.progress import BatchProgress, ProgressDisplay, bar, plain_line
 from evalbus.cli.scorecard import render_scorecard
 from evalbus.cli.suite_file import SpecFileError, load_judges, load_suite
 from evalbus.cli.tail import event_line
+from evalbus_api.client import SseEvent
+from evalbus_api.views import BatchView, RunView
 from evalbus_contracts import (
     BatchFinalized,
     BatchSummary,
@@ -33,8 +35,6 @@ from evalbus_contracts import (
     VerdictSummary,
     encode,
 )
-from evalbus_gateway.client import SseEvent
-from evalbus_gateway.store.queries import BatchView, RunView
 from evalbus_gateway.testing import BatchScript, batch_spec
 
 pytestmark = pytest.mark.unit

@@ -9,9 +9,9 @@ from datetime import UTC, datetime
 import pytest
 
 from evalbus.cli.scorecard import render_scorecard
+from evalbus_api.views import BatchView
 from evalbus_contracts import Measured
 from evalbus_gateway.aggregate import RunOutcome, summarize
-from evalbus_gateway.store.queries import BatchView
 
 pytestmark = pytest.mark.unit
 

@@ -18,9 +18,9 @@ import msgspec
 import pytest
 
 from evalbus.testing.pipeline import Pipeline, agent_harness, eventually, open_pipeline, task
+from evalbus_api.client import ApiRequestError
+from evalbus_api.live import RunPlacement
 from evalbus_contracts import AnswerMatchGrader, BatchSpec, CaseSpec, SuiteSpec, batch_run_id
-from evalbus_gateway.client import ApiRequestError
-from evalbus_gateway.live.placement import RunPlacement
 
 pytestmark = pytest.mark.e2e
 

@@ -16,6 +16,8 @@ import pytest
 
 from evalbus.infra import nats_accounts
 from evalbus.infra.nats import nats_server_binary
+from evalbus_api.live import Asked
+from evalbus_api.validation import batch_spec_problems
 from evalbus_contracts import (
     BatchSpec,
     CasePlan,
@@ -35,8 +37,8 @@ from evalbus_contracts.streams import CONSUMERS, DISPATCHER_CASES
 from evalbus_contracts.subjects import subject_matches
 from evalbus_dispatcher.service import DispatcherSettings
 from evalbus_gateway.api.errors import ApiError
-from evalbus_gateway.api.validation import DatasetChecker, batch_spec_problems
-from evalbus_gateway.live.placement import Asked, Requested, lanes_waiting, project
+from evalbus_gateway.api.validation import DatasetChecker
+from evalbus_gateway.live.placement import Requested, lanes_waiting, project
 from evalbus_runtime import SettingsError, load_settings
 
 pytestmark = pytest.mark.unit

@@ -32,9 +32,9 @@ from evalbus.testing.pipeline import (
     open_pipeline,
     wait_path,
 )
+from evalbus_api.actions import ExecView, TicketView
+from evalbus_api.client import GatewayClient
 from evalbus_contracts import BatchSpec, CaseExecuted, CaseSpec, CommandHarness, Infra, SuiteSpec, decode_event, utcnow
-from evalbus_gateway.api.actions import ExecView, TicketView
-from evalbus_gateway.client import GatewayClient
 from evalbus_gateway.testing import RunningGateway, member, running_gateway
 
 pytestmark = pytest.mark.e2e

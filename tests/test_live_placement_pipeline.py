@@ -20,9 +20,9 @@ import msgspec
 import pytest
 
 from evalbus.testing.pipeline import REPO_ROOT, Pipeline, eventually, open_pipeline, wait_path
+from evalbus_api.client import ApiRequestError, GatewayClient
+from evalbus_api.live import RunPlacement
 from evalbus_contracts import BatchSpec, CaseExecuted, CaseSpec, CommandHarness, Infra, Log, SuiteSpec, decode_event
-from evalbus_gateway.client import ApiRequestError, GatewayClient
-from evalbus_gateway.live.placement import RunPlacement
 from evalbus_gateway.testing import RunningGateway, running_gateway
 
 pytestmark = pytest.mark.e2e

@@ -19,9 +19,9 @@ import msgspec
 import pytest
 
 from evalbus.testing.pipeline import REPO_ROOT, Pipeline, eventually, open_pipeline, wait_path
+from evalbus_api.client import GatewayClient, SseEvent
+from evalbus_api.live import LogChunk, RunStreamEnd
 from evalbus_contracts import BatchSpec, CaseSpec, CommandHarness, Infra, SuiteSpec, ToolCall, decode
-from evalbus_gateway.client import GatewayClient, SseEvent
-from evalbus_gateway.live import LogChunk, RunStreamEnd
 from evalbus_gateway.testing import RunningGateway, running_gateway
 
 pytestmark = pytest.mark.e2e

@@ -27,9 +27,9 @@ from evalbus.testing.chromium import ensure_chromium, png_size_and_first_pixel
 from evalbus.testing.pipeline import REPO_ROOT, Pipeline, open_pipeline, wait_path
 from evalbus.testing.png import decode_png
 from evalbus.testing.xvfb import ensure_x11, unused_display
+from evalbus_api.actions import ScreenView
+from evalbus_api.client import GatewayClient
 from evalbus_contracts import BatchSpec, CaseSpec, CommandHarness, SuiteSpec
-from evalbus_gateway.api.actions import ScreenView
-from evalbus_gateway.client import GatewayClient
 from evalbus_gateway.testing import RunningGateway, member, running_gateway
 
 pytestmark = pytest.mark.e2e

@@ -70,6 +70,7 @@ from evalbus.testing.pipeline import (
     wait_path,
     without_metrics,
 )
+from evalbus_api.views import BatchView, RunView
 from evalbus_contracts import (
     AnswerMatchGrader,
     BatchSpec,
@@ -95,7 +96,7 @@ from evalbus_contracts.streams import (
     JUDGE_CASES,
     ConsumerDef,
 )
-from evalbus_gateway.store import BatchVerifyResult, BatchView, RunView
+from evalbus_gateway.store import BatchVerifyResult
 from evalbus_gateway.store.recorder import RECORDER_LOCK
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -34,8 +34,8 @@ from pathlib import Path
 import pytest
 
 from evalbus.testing.pipeline import Pipeline, agent_harness, eventually, open_pipeline, task, wait_path
+from evalbus_api.views import RunView
 from evalbus_contracts import AnswerMatchGrader, BatchPolicy, BatchSpec, CaseSpec, SuiteSpec, batch_run_id
-from evalbus_gateway.store import RunView
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -31,6 +31,8 @@ from evalbus.testing.pipeline import (
     task,
     wait_path,
 )
+from evalbus_api.client import ApiRequestError
+from evalbus_api.views import RunView
 from evalbus_contracts import (
     AnswerMatchGrader,
     BatchPolicy,
@@ -55,8 +57,6 @@ from evalbus_contracts import (
     Unmeasured,
     decode_event,
 )
-from evalbus_gateway.client import ApiRequestError
-from evalbus_gateway.store import RunView
 
 pytestmark = pytest.mark.e2e
 

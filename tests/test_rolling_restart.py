@@ -29,8 +29,8 @@ from evalbus.testing.pipeline import (
     without_metrics,
 )
 from evalbus.testing.stack import SERVICES
+from evalbus_api.client import ApiRequestError, GatewayClient
 from evalbus_contracts import AnswerMatchGrader, BatchSpec, CaseSpec, ExactJudge, SuiteSpec, batch_run_id
-from evalbus_gateway.client import ApiRequestError, GatewayClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -24,6 +24,7 @@ WORKDIR /src
 # 1. Third-party layer: the lock and every workspace member's manifest (uv resolves the workspace
 #    from them), no sources.
 COPY uv.lock pyproject.toml ./
+COPY libs/api/pyproject.toml libs/api/
 COPY libs/contracts/pyproject.toml libs/contracts/
 COPY libs/grading/pyproject.toml libs/grading/
 COPY libs/runtime/pyproject.toml libs/runtime/

@@ -39,10 +39,10 @@ from evalbus.cli.suite_file import (
     resolve_command,
 )
 from evalbus.cli.upload import UploadProgress, inline_limit, needs_upload, offload_cases
+from evalbus_api.client import ApiRequestError, GatewayClient, SseEvent
+from evalbus_api.validation import batch_spec_problems
+from evalbus_api.views import BatchView, RunView
 from evalbus_contracts import BatchSpec, JudgeSpec
-from evalbus_gateway.api.validation import batch_spec_problems
-from evalbus_gateway.client import ApiRequestError, GatewayClient, SseEvent
-from evalbus_gateway.store.queries import BatchView, RunView
 
 __all__ = ["ApiRequestError", "Client", "SpecFileError"]
 

@@ -15,9 +15,9 @@ import msgspec
 import pytest
 from nats.aio.client import Client as NatsClient
 
+from evalbus_api.client import ApiRequestError, GatewayClient
+from evalbus_api.models import ErrorBody
 from evalbus_contracts import BatchCancelled, BatchRequested, EventBase, decode_event, encode_token, to_builtins
-from evalbus_gateway.api.models import ErrorBody
-from evalbus_gateway.client import ApiRequestError, GatewayClient
 from evalbus_gateway.store import get_batch, get_run
 from evalbus_gateway.testing import BatchScript, RunningGateway, batch_spec, member, running_gateway
 from evalbus_runtime import Publisher

@@ -23,8 +23,8 @@ import msgspec
 import pytest
 
 from evalbus.infra.postgres import create_database, drop_database
+from evalbus_api.models import ErrorBody
 from evalbus_contracts import ExactJudge, OnlineSuiteSpec, OnlineTarget, to_builtins
-from evalbus_gateway.api.models import ErrorBody
 from evalbus_gateway.api.routes import ROUTES
 from evalbus_gateway.testing import BatchScript, RunningGateway, batch_spec, member, running_gateway
 

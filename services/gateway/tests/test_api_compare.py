@@ -19,6 +19,8 @@ import msgspec
 import pytest
 from nats.aio.client import Client as NatsClient
 
+from evalbus_api.client import ApiRequestError, GatewayClient
+from evalbus_api.models import ErrorBody
 from evalbus_contracts import (
     AnswerMatchGrader,
     BatchCancelled,
@@ -39,8 +41,6 @@ from evalbus_contracts import (
     batch_run_id,
     to_builtins,
 )
-from evalbus_gateway.api.models import ErrorBody
-from evalbus_gateway.client import ApiRequestError, GatewayClient
 from evalbus_gateway.store import get_batch
 from evalbus_gateway.testing import HARNESS, RunningGateway, batch_spec, member, running_gateway
 from evalbus_grading.compare import VERDICTS

@@ -18,6 +18,7 @@ import pytest
 
 from evalbus.infra.nats import STOCK_MAX_PAYLOAD, start_nats
 from evalbus.testing.pipeline import read_stream
+from evalbus_api.models import DatasetUploaded, ErrorBody
 from evalbus_contracts import (
     BatchRequested,
     CaseSpec,
@@ -28,7 +29,6 @@ from evalbus_contracts import (
     decode_event,
     encode,
 )
-from evalbus_gateway.api.models import DatasetUploaded, ErrorBody
 from evalbus_gateway.testing import RunningGateway, batch_spec, member, running_gateway
 from evalbus_runtime.objects import get_object
 

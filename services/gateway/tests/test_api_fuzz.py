@@ -43,8 +43,8 @@ from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
 from evalbus.infra.postgres import create_database, drop_database
+from evalbus_api.models import ErrorBody
 from evalbus_contracts import BatchSpec, to_builtins
-from evalbus_gateway.api.models import ErrorBody
 from evalbus_gateway.api.openapi import build_openapi
 from evalbus_gateway.api.routes import ROUTES
 from evalbus_gateway.api.table import Route

@@ -18,6 +18,10 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from evalbus.testing.pipeline import eventually
+from evalbus_api.client import SseEvent, SseParser
+from evalbus_api.live import LiveTraceView, LogChunk, LogTail, RunStreamEnd
+from evalbus_api.models import ErrorBody
+from evalbus_api.views import RunView
 from evalbus_contracts import (
     BatchSpec,
     CommandHarness,
@@ -34,10 +38,6 @@ from evalbus_contracts import (
     batch_run_id,
     decode,
 )
-from evalbus_gateway.api.models import ErrorBody
-from evalbus_gateway.client import SseEvent, SseParser
-from evalbus_gateway.live import LiveTraceView, LogChunk, LogTail, RunStreamEnd
-from evalbus_gateway.store.queries import RunView
 from evalbus_gateway.testing import BatchScript, RunningGateway, batch_spec, member, running_gateway
 from evalbus_runtime import Publisher
 

@@ -16,6 +16,7 @@ from nats.aio.client import Client as NatsClient
 
 from evalbus.infra.nats import NatsServer
 from evalbus.testing.pipeline import eventually
+from evalbus_api.live import RunPlacement
 from evalbus_contracts import (
     DispatcherStatus,
     Infra,
@@ -27,7 +28,6 @@ from evalbus_contracts import (
     utcnow,
 )
 from evalbus_contracts.streams import DISPATCHERS
-from evalbus_gateway.live.placement import RunPlacement
 from evalbus_gateway.testing import BatchScript, RunningGateway, batch_spec, member, running_gateway
 from evalbus_runtime import Publisher, connect, ensure_topology
 

@@ -18,6 +18,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client as NatsClient
 
+from evalbus_api.models import ErrorBody
 from evalbus_contracts import (
     BatchRequested,
     CaseCollected,
@@ -31,7 +32,6 @@ from evalbus_contracts import (
     encode_token,
     to_builtins,
 )
-from evalbus_gateway.api.models import ErrorBody
 from evalbus_gateway.api.rejudge import RejudgeError, rejudge_events
 from evalbus_gateway.store import get_batch
 from evalbus_gateway.testing import BatchScript, RunningGateway, batch_spec, member, running_gateway

@@ -15,8 +15,8 @@ import pytest
 
 from evalbus.infra.postgres import create_database, drop_database
 from evalbus.testing.pipeline import eventually
+from evalbus_api.models import ErrorBody
 from evalbus_contracts import BatchRequested, encode
-from evalbus_gateway.api.models import ErrorBody
 from evalbus_gateway.testing import RunningGateway, batch_spec, member, running_gateway
 from evalbus_runtime.publisher import event_headers
 

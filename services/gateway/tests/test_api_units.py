@@ -8,6 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from evalbus_api.validation import batch_spec_problems
 from evalbus_contracts import (
     BatchPolicy,
     BatchSpec,
@@ -23,7 +24,7 @@ from evalbus_gateway.api.auth import Principal, TokenTable, load_tokens_file
 from evalbus_gateway.api.errors import ApiError, field_of
 from evalbus_gateway.api.openapi import build_openapi
 from evalbus_gateway.api.routes import ROUTES
-from evalbus_gateway.api.validation import batch_spec_problems, decode_cursor, encode_cursor
+from evalbus_gateway.api.validation import decode_cursor, encode_cursor
 from evalbus_gateway.errors import TokensFileError
 from evalbus_gateway.testing import batch_spec
 

@@ -8,9 +8,10 @@ from typing import Literal
 import msgspec
 import pytest
 
+from evalbus_api.client import SseParser
+from evalbus_api.live import LogChunk, RunStreamEnd
 from evalbus_contracts import Infra, InfraMark, LiveLog, LiveTrace, ToolCall, decode
-from evalbus_gateway.client import SseParser
-from evalbus_gateway.live import LogChunk, RunStreamEnd, Stored
+from evalbus_gateway.live import Stored
 from evalbus_gateway.live.views import (
     chunk_end,
     drop_head,

@@ -7,9 +7,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from evalbus_api.live import Asked, RunPlacement, RunStatus
 from evalbus_contracts import DispatcherStatus, Infra, PlacementSample
-from evalbus_gateway.live.placement import Asked, MarkSeen, Requested, RunPlacement, SampleSeen, project, run_phase
-from evalbus_gateway.live.views import RunStatus
+from evalbus_gateway.live.placement import MarkSeen, Requested, SampleSeen, project, run_phase
 
 pytestmark = pytest.mark.unit
 

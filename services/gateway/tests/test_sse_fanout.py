@@ -20,8 +20,8 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from evalbus.testing.pipeline import eventually
+from evalbus_api.client import SseEvent, SseParser
 from evalbus_contracts import EventBase
-from evalbus_gateway.client import SseEvent, SseParser
 from evalbus_gateway.testing import BatchScript, RunningGateway, batch_spec, member, running_gateway
 from evalbus_runtime import Publisher
 

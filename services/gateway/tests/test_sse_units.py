@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from evalbus_api.client import SseEvent, SseParser
 from evalbus_gateway.api.sse import end_frame, event_type, final_status, frame
-from evalbus_gateway.client import SseEvent, SseParser
 from evalbus_gateway.live.fanout import Lagged, Watcher
 
 pytestmark = pytest.mark.unit

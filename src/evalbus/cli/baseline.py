@@ -15,9 +15,9 @@ import json
 
 from evalbus.cli.connection import add_gateway_options
 from evalbus.cli.follow import EXIT_FINALIZED, EXIT_NOT_SUCCEEDED, api_failure, error_line, resolve_target
+from evalbus_api.client import ApiRequestError, GatewayClient
+from evalbus_api.compare import BaselineView
 from evalbus_contracts import to_builtins
-from evalbus_gateway.api.compare import BaselineView
-from evalbus_gateway.client import ApiRequestError, GatewayClient
 
 
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

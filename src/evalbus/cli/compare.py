@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from evalbus.cli.connection import add_gateway_options
 from evalbus.cli.follow import EXIT_BAD_INPUT, EXIT_FINALIZED, api_failure, error_line, resolve_target
 from evalbus.cli.scorecard import clip, number, table
+from evalbus_api.client import ApiRequestError, GatewayClient
 from evalbus_contracts import Measured, to_builtins
-from evalbus_gateway.client import ApiRequestError, GatewayClient
 from evalbus_grading.compare import CaseComparison, CaseSide, Comparison, MetricComparison
 
 MAX_CASES_SHOWN = 20

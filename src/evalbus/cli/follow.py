@@ -22,8 +22,8 @@ import msgspec
 from evalbus.cli.connection import GatewayTarget, TargetError, gateway_target
 from evalbus.cli.progress import BatchProgress, ProgressDisplay
 from evalbus.cli.scorecard import json_line, render_scorecard
-from evalbus_gateway.client import ApiRequestError, GatewayClient
-from evalbus_gateway.store.queries import BatchView, RunView
+from evalbus_api.client import ApiRequestError, GatewayClient
+from evalbus_api.views import BatchView, RunView
 
 SETTLE_TIMEOUT_S = 30.0
 """How long the read model may lag the stream's `end` before the stream's own summary is used."""

@@ -32,9 +32,9 @@ import msgspec
 from evalbus.cli.follow import EXIT_FINALIZED, EXIT_NOT_SUCCEEDED, Outcome, error_line, print_outcome
 from evalbus.cli.reports import junit_xml, summary_markdown
 from evalbus.cli.scorecard import json_line
+from evalbus_api.client import ApiRequestError, GatewayClient
+from evalbus_api.views import BatchView
 from evalbus_contracts import BatchSpec, BatchSummary, GateSpec, to_builtins
-from evalbus_gateway.client import ApiRequestError, GatewayClient
-from evalbus_gateway.store.queries import BatchView
 from evalbus_grading.compare import Comparison
 from evalbus_grading.gates import (
     GateError,

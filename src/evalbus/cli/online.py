@@ -33,8 +33,8 @@ from evalbus.cli.follow import (
     error_line,
     resolve_target,
 )
+from evalbus_api.client import ApiRequestError, GatewayClient
 from evalbus_contracts import OnlineSuiteSpec, to_builtins
-from evalbus_gateway.client import ApiRequestError, GatewayClient
 
 
 class SuiteFileError(Exception):

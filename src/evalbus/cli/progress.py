@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
+from evalbus_api.client import END_EVENT, SseEvent
+from evalbus_api.models import StreamEnd
 from evalbus_contracts import (
     BatchCancelled,
     BatchFinalized,
@@ -32,8 +34,6 @@ from evalbus_contracts import (
     decode,
     expected_runs,
 )
-from evalbus_gateway.api.models import StreamEnd
-from evalbus_gateway.client import END_EVENT, SseEvent
 
 STAGES: tuple[str, ...] = ("requested", "executed", "collected", "judged", "exported")
 """Every stage a run passes, in order (`collected` only for deferred traces)."""

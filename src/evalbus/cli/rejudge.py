@@ -32,8 +32,8 @@ from evalbus.cli.follow import (
 from evalbus.cli.progress import BatchProgress
 from evalbus.cli.scorecard import json_line
 from evalbus.cli.suite_file import SpecFileError, load_judges
+from evalbus_api.client import ApiRequestError, GatewayClient
 from evalbus_contracts import JudgeSpec
-from evalbus_gateway.client import ApiRequestError, GatewayClient
 
 
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

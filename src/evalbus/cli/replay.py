@@ -27,9 +27,11 @@ from nats.js import api as jsapi
 from evalbus.cli.connection import TargetError, add_database_options, database_url, nats_url
 from evalbus_contracts import DecodeError, decode_event
 from evalbus_contracts.streams import CASES
-from evalbus_gateway.store import RebuildOutcome, RecordedMessage, RecordOutcome, migrate, rebuild_read_models, record
 
+# The event store is the gateway's: imported when the command runs, so that `evalbus.cli`, which
+# registers every command, imports no service.
 if TYPE_CHECKING:
+    from evalbus_gateway.store import RebuildOutcome, RecordOutcome
     from evalbus_gateway.store.connections import Database
 
 CHUNK = 1000
@@ -85,6 +87,8 @@ async def record_stream(
     db: Database, server: str, *, chunk: int = CHUNK, say: Callable[[str], None] = lambda _: None
 ) -> StreamReplay:
     """Record every message of CASES (from sequence 1 up to the last one when it started) into the event store."""
+    from evalbus_gateway.store import RecordedMessage, record
+
     servers = [u.strip() for u in server.split(",") if u.strip()]
     nc = await nats.connect(servers=servers, name="evalbus-replay", connect_timeout=5, max_reconnect_attempts=3)
     out = StreamReplay()
@@ -128,6 +132,8 @@ async def record_stream(
 
 async def replay(database: str, server: str | None, say: Callable[[str], None]) -> RebuildOutcome:
     """Re-record the stream (when `server` is given), then rebuild the read models; prints counts."""
+    from evalbus_gateway.store import migrate, rebuild_read_models
+
     conn = await asyncpg.connect(database)
     try:
         if server is not None:

@@ -15,8 +15,8 @@ import xml.etree.ElementTree as ET
 from collections.abc import Mapping, Sequence
 
 from evalbus.cli.scorecard import clip, number, number_range, percent, percent_range
+from evalbus_api.views import BatchView, RunView
 from evalbus_contracts import BatchSummary, Measured, Score, Unmeasured
-from evalbus_gateway.store.queries import BatchView, RunView
 from evalbus_grading.gates import GateResult
 
 MAX_CASES_IN_SUMMARY = 20

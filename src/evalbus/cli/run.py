@@ -40,8 +40,8 @@ from evalbus.cli.upload import (
     needs_upload,
     offload_cases,
 )
+from evalbus_api.client import ApiRequestError, GatewayClient
 from evalbus_contracts import BatchSpec, expected_runs
-from evalbus_gateway.client import ApiRequestError, GatewayClient
 
 EXIT_INTERRUPTED = 130
 """Ctrl-C: the batch goes on; only following it stopped."""

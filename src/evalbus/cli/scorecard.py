@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from evalbus_api.views import BatchView, RunView
 from evalbus_contracts import BatchSummary, Interval, JudgeUsageSummary, TrialSummary, to_builtins
-from evalbus_gateway.store.queries import BatchView, RunView
 
 MAX_FAILED_SHOWN = 10
 """Failed cases listed by name; the rest are counted."""

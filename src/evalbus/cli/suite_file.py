@@ -31,9 +31,9 @@ import msgspec
 import yaml
 
 from evalbus.cli.dataset import DatasetCase, DatasetError, DatasetSpec, input_text, load_dataset
+from evalbus_api.validation import batch_spec_problems
 from evalbus_contracts import BatchSpec, CaseSpec, GraderSpec, JudgeSpec, SuiteSpec, convert
 from evalbus_contracts.strict import error_location, strict_problems
-from evalbus_gateway.api.validation import batch_spec_problems
 
 T = TypeVar("T")
 

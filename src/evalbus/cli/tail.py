@@ -23,6 +23,7 @@ from typing import Any
 from evalbus.cli.connection import GatewayTarget, TargetError, add_gateway_options, gateway_target
 from evalbus.cli.follow import EXIT_FINALIZED, EXIT_NOT_SUCCEEDED, api_failure
 from evalbus.cli.progress import BatchProgress
+from evalbus_api.client import END_EVENT, ApiRequestError, GatewayClient, SseEvent
 from evalbus_contracts import (
     BatchCancelled,
     BatchFinalized,
@@ -36,7 +37,6 @@ from evalbus_contracts import (
     Event,
     expected_runs,
 )
-from evalbus_gateway.client import END_EVENT, ApiRequestError, GatewayClient, SseEvent
 
 
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

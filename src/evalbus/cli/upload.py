@@ -18,9 +18,9 @@ from typing import TextIO
 import msgspec
 
 from evalbus.cli.progress import bar
+from evalbus_api.client import GatewayClient
+from evalbus_api.models import DatasetUploaded
 from evalbus_contracts import BatchSpec, CaseSpec
-from evalbus_gateway.api.models import DatasetUploaded
-from evalbus_gateway.client import GatewayClient
 
 INLINE_LIMIT_ENV = "EVALBUS_INLINE_CASES_MAX_BYTES"
 """Setting: the largest encoded inline cases `evalbus run` submits inside the batch."""

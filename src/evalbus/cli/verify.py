@@ -15,6 +15,7 @@ import asyncio
 import json
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import asyncpg
 import msgspec
@@ -23,8 +24,12 @@ from nats.aio.client import Client as NatsClient
 from nats.errors import Error as NatsError
 
 from evalbus.cli.connection import TargetError, add_database_options, database_url, nats_url
-from evalbus_gateway.store import VerifyResult, verify_batch, verify_run
 from evalbus_runtime.payloads import first_bad_object, object_refs
+
+# The event store is the gateway's: imported when the command runs, so that `evalbus.cli`, which
+# registers every command, imports no service.
+if TYPE_CHECKING:
+    from evalbus_gateway.store import VerifyResult
 
 
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -71,6 +76,8 @@ async def verify(url: str, target: str, nats: Callable[[], str] | None = None) -
     """(`batch` or `run`, results): the batch's runs when `target` is a batch with events, else the
     run. With `nats` (the URL, asked for only once a run names an object), every object the events
     name is read and checked against its reference."""
+    from evalbus_gateway.store import verify_batch, verify_run
+
     conn = await asyncpg.connect(url)
     nc: NatsClient | None = None
 

@@ -39,6 +39,8 @@ from nats.aio.client import Client as NatsClient
 from evalbus.infra.nats import NatsServer, start_nats, start_nats_cluster
 from evalbus.infra.postgres import create_database, drop_database
 from evalbus.testing.stack import SERVICES, ServiceStack
+from evalbus_api.client import GatewayClient
+from evalbus_api.views import BatchView, RunView
 from evalbus_contracts import (
     BatchSpec,
     BatchSummary,
@@ -49,9 +51,8 @@ from evalbus_contracts import (
     decode_event,
     encode_token,
 )
-from evalbus_gateway.client import GatewayClient
 from evalbus_gateway.database import create_pool
-from evalbus_gateway.store import BatchVerifyResult, BatchView, RunView, verify_batch
+from evalbus_gateway.store import BatchVerifyResult, verify_batch
 from evalbus_runtime import connect
 
 REPO_ROOT = Path(__file__).resolve().parents[3]

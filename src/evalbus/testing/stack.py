@@ -4,7 +4,7 @@ and benchmarks: start, wait until ready, SIGKILL, restart, stop.
     stack = ServiceStack(nats_url, database_url, tmp_path)
     stack.start_all()                     # gateway, dispatcher, collector, judge, exporter
     stack.kill("judge"); stack.start("judge")
-    client = stack.client()               # evalbus_gateway.client for the gateway
+    client = stack.client()               # evalbus_api.client for the gateway
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import pytest
 
 from evalbus.infra.nats import NatsServer
 from evalbus.infra.ports import free_port
-from evalbus_gateway.client import GatewayClient
+from evalbus_api.client import GatewayClient
 
 SERVICES = ("gateway", "dispatcher", "collector", "judge", "exporter")
 

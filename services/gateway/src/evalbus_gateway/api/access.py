@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from evalbus_api.views import BatchView, RunView
 from evalbus_contracts import subjects
 from evalbus_gateway.api.errors import ApiError, not_found
 from evalbus_gateway.api.reads import find_batch
@@ -17,7 +18,6 @@ from evalbus_gateway.api.table import Call
 from evalbus_gateway.live.reads import last_on
 from evalbus_gateway.store import get_run
 from evalbus_gateway.store.projection import ONLINE_BATCH_PREFIX
-from evalbus_gateway.store.queries import BatchView, RunView
 
 
 async def visible_batch(call: Call, batch_id: str) -> BatchView:

@@ -11,12 +11,12 @@ of a bearer token, which a browser cannot send on a WebSocket.
 
 from __future__ import annotations
 
-from datetime import datetime
-
 import msgspec
 import nats.errors
 from aiohttp import web
 
+from evalbus_api.actions import ExecBody, ExecView, ScreenView, TicketView
+from evalbus_api.models import ErrorBody
 from evalbus_contracts import decode, encode
 from evalbus_contracts.control import (
     EXEC_TIMEOUT_MAX_S,
@@ -28,7 +28,6 @@ from evalbus_contracts.control import (
 from evalbus_contracts.subjects import control_subject
 from evalbus_gateway.api.access import actionable_run
 from evalbus_gateway.api.errors import ApiError
-from evalbus_gateway.api.models import ErrorBody
 from evalbus_gateway.api.table import Body, Call, Param, Route
 from evalbus_gateway.api.validation import path_id, read_json
 from evalbus_gateway.live.terminal import TerminalTickets, bridge
@@ -38,66 +37,6 @@ REPLY_MARGIN_S = 5.0
 SCREEN_TIMEOUT_S = 20.0
 """Longest wait for a screen capture."""
 MAX_COMMAND_BYTES = 64 * 1024
-
-
-class ExecBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`POST /v1/runs/{run_id}/exec`."""
-
-    command: str
-    """A command line for `sh -c`, run in the sandbox's workdir and environment."""
-    timeout_s: float = 30.0
-    """Killed after this long (exit 124); at most 600."""
-
-
-class ExecView(msgspec.Struct, frozen=True, kw_only=True):
-    """The command's outcome."""
-
-    run_id: str
-    """The run."""
-    found: bool
-    """False when no live sandbox holds the run (not started, released, settled)."""
-    stdout: str = ""
-    """Its standard output (its end, when `truncated`), secrets masked."""
-    stderr: str = ""
-    """Its standard error (its end, when `truncated`), secrets masked."""
-    exit_code: int | None = None
-    """Exit code (124 on timeout, 128+n when killed by signal n); null when not found."""
-    timed_out: bool = False
-    """Killed on its timeout."""
-    truncated: bool = False
-    """The beginning of stdout or stderr was left out (each carries at most 128 KiB)."""
-    ended: str | None = None
-    """Why it ended early: the sandbox was released while it ran."""
-
-
-class TicketView(msgspec.Struct, frozen=True, kw_only=True):
-    """A terminal ticket: open `url` as a WebSocket within 30 s; it works once."""
-
-    run_id: str
-    """The run."""
-    ticket: str
-    """The ticket."""
-    expires_at: datetime
-    """When it stops working."""
-    url: str
-    """The WebSocket's path, ticket included."""
-
-
-class ScreenView(msgspec.Struct, frozen=True, kw_only=True):
-    """`GET /v1/runs/{run_id}/screen`."""
-
-    run_id: str
-    """The run."""
-    supported: bool
-    """Whether a screen could be reached (the capture attempt itself, never a guess from the case)."""
-    found: bool
-    """Whether a frame was captured."""
-    data_url: str | None = None
-    """The frame as `data:image/png;base64,…`."""
-    target: str | None = None
-    """What was captured: the page's URL, or `display :99 (1280x1024)` (a desktop case)."""
-    reason: str | None = None
-    """Why there is no frame."""
 
 
 def _exec_body_problem(body: ExecBody) -> ApiError | None:

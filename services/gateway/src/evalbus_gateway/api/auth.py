@@ -24,8 +24,8 @@ from pathlib import Path
 import msgspec
 from aiohttp import web
 
+from evalbus_api.models import Role
 from evalbus_gateway.api.errors import ApiError
-from evalbus_gateway.api.models import Role
 from evalbus_gateway.errors import TokensFileError
 
 ADMIN_PRINCIPAL = "admin"

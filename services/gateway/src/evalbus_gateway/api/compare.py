@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import datetime
 
 import msgspec
 from aiohttp import web
 
+from evalbus_api.compare import BaselineRequest, BaselineView, ComparisonView
+from evalbus_api.models import ErrorBody
+from evalbus_api.validation import MAX_ID_LENGTH
+from evalbus_api.views import BatchView
 from evalbus_contracts import (
     BatchSummary,
     CaseFailure,
@@ -36,12 +39,11 @@ from evalbus_contracts import (
 from evalbus_contracts.streams import CASES
 from evalbus_contracts.subjects import suite_baseline_subject
 from evalbus_gateway.api.errors import ApiError, not_found
-from evalbus_gateway.api.models import ErrorBody
 from evalbus_gateway.api.reads import finalized_on_stream, find_batch
 from evalbus_gateway.api.table import Body, Call, Param, Route
-from evalbus_gateway.api.validation import MAX_ID_LENGTH, path_id, query_str, read_json
+from evalbus_gateway.api.validation import path_id, query_str, read_json
 from evalbus_gateway.store.connections import acquire
-from evalbus_gateway.store.queries import BatchView, get_batch_spec
+from evalbus_gateway.store.queries import get_batch_spec
 from evalbus_grading.compare import CaseRun, Comparison, compare
 from evalbus_grading.gates import GateError, GateResult, NoRegression, decide_regression, decide_threshold, parse_gate
 
@@ -49,36 +51,6 @@ log = logging.getLogger("evalbus.gateway.compare")
 
 BASELINE_BODY_LIMIT = 4096
 """Largest `PUT …/baseline` body (bytes)."""
-
-
-class BaselineRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """Make a batch its suite's baseline."""
-
-    batch_id: str
-    """A batch of the suite, finalized `succeeded`."""
-
-
-class BaselineView(msgspec.Struct, frozen=True, kw_only=True):
-    """A suite's baseline."""
-
-    suite_id: str
-    """The suite."""
-    batch_id: str
-    """The baseline batch."""
-    set_by: str
-    """Who set it."""
-    set_at: datetime
-    """When."""
-
-
-class ComparisonView(Comparison, frozen=True, kw_only=True):
-    """A comparison as `GET /v1/compare` answers it."""
-
-    gates: tuple[GateResult, ...] = ()
-    """The candidate's gates (its suite's `gates:` and any `--gate` it was run with, as its spec
-    recorded them), each decided as `evalbus run` decides it: a threshold on the candidate's summary, a
-    regression gate against the batch it names or the suite's baseline (this comparison when that
-    is the base). Empty when it declared none."""
 
 
 def _json(value: object, status: int = 200) -> web.Response:

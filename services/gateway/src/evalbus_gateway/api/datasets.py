@@ -20,10 +20,10 @@ import msgspec
 from aiohttp import web
 from nats.errors import Error as NatsError
 
+from evalbus_api.models import DatasetUploaded
 from evalbus_contracts import DatasetIndex, ObjectRef, SuiteSpec, decode, encode
 from evalbus_contracts.streams import DATASETS
 from evalbus_gateway.api.errors import ApiError
-from evalbus_gateway.api.models import DatasetUploaded
 from evalbus_gateway.api.table import Body, Call, Link, Route
 from evalbus_gateway.api.validation import DatasetChecker
 from evalbus_runtime.objects import (

@@ -19,8 +19,8 @@ import nats.errors
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from evalbus_api.models import ErrorBody, ErrorDetail
 from evalbus_contracts import encode
-from evalbus_gateway.api.models import ErrorBody, ErrorDetail
 from evalbus_gateway.errors import NotReadyError
 from evalbus_gateway.store import StoreError
 from evalbus_runtime import PublishFailedError

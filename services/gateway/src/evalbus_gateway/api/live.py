@@ -30,6 +30,8 @@ import nats.errors
 from aiohttp import web
 from nats.js import JetStreamContext
 
+from evalbus_api.live import LOG_TAIL_BYTES, LiveTraceView, LogTail, RunStatus
+from evalbus_api.views import LiveTraceLink, RunView
 from evalbus_contracts import encode
 from evalbus_gateway.api.access import LiveRun, visible_live_run
 from evalbus_gateway.api.reads import requested_on_stream
@@ -50,20 +52,9 @@ from evalbus_gateway.live.reads import (
     locate_tail,
     read_live,
 )
-from evalbus_gateway.live.views import (
-    LOG_TAIL_BYTES,
-    LiveTraceView,
-    LogTail,
-    RunStatus,
-    Stored,
-    end_frame,
-    live_trace,
-    log_frames,
-    log_tail,
-    trace_frames,
-)
+from evalbus_gateway.live.views import Stored, end_frame, live_trace, log_frames, log_tail, trace_frames
 from evalbus_gateway.state import GatewayState
-from evalbus_gateway.store.queries import LiveTraceLink, RunView, get_harness_trace
+from evalbus_gateway.store.queries import get_harness_trace
 
 log = logging.getLogger("evalbus.gateway.live")
 

@@ -16,13 +16,13 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from evalbus_api.views import Trajectory, TrajectoryEvent
 from evalbus_contracts import ObjectRef
 from evalbus_gateway.api.access import visible_run
 from evalbus_gateway.api.errors import ApiError, not_found
 from evalbus_gateway.api.table import Body, Call, Param, Route
 from evalbus_gateway.api.validation import path_id
 from evalbus_gateway.store import get_trajectory
-from evalbus_gateway.store.queries import Trajectory, TrajectoryEvent
 from evalbus_runtime.objects import ObjectDigestError, ObjectStoreError, get_object, iter_object, object_info
 from evalbus_runtime.payloads import COLLECTED_FILE, MAX_PAYLOAD_READ, PAYLOAD_FILE, object_refs, run_prefix, unreadable
 

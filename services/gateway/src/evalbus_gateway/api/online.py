@@ -11,11 +11,19 @@ members read everything here (online suites are shared by the deployment, not ow
 from __future__ import annotations
 
 import logging
-from datetime import datetime
 
-import msgspec
 from aiohttp import web
 
+from evalbus_api.models import ErrorBody
+from evalbus_api.online import (
+    ObservationAnswer,
+    OnlineStats,
+    OnlineSuiteDetail,
+    OnlineSuiteList,
+    OnlineSuiteView,
+    SuiteDeleted,
+)
+from evalbus_api.validation import SpecProblem, judges_problems, suite_id_problem
 from evalbus_contracts import (
     DecodeError,
     OnlineSuiteApplied,
@@ -27,23 +35,9 @@ from evalbus_contracts import (
 from evalbus_contracts.streams import CASES
 from evalbus_contracts.subjects import ONLINE_SUITE, online_suite_subject
 from evalbus_gateway.api.errors import ApiError, not_found
-from evalbus_gateway.api.models import ErrorBody
 from evalbus_gateway.api.table import Body, Call, Link, Param, Route
-from evalbus_gateway.api.validation import (
-    SpecProblem,
-    judges_problems,
-    path_id,
-    query_str,
-    read_json,
-    suite_id_problem,
-)
+from evalbus_gateway.api.validation import path_id, query_str, read_json
 from evalbus_gateway.store.online import (
-    FateCount,
-    FateView,
-    JudgedObservation,
-    MetricWindow,
-    SeriesPoint,
-    UsageWindow,
     fate_counts,
     observation_fates,
     recent_judged,
@@ -57,65 +51,6 @@ log = logging.getLogger("evalbus.gateway.online")
 
 SUITE_BODY_LIMIT = 1024 * 1024
 """Largest online suite definition accepted (bytes)."""
-
-
-class OnlineSuiteView(msgspec.Struct, frozen=True, kw_only=True):
-    """An online suite as the API shows it."""
-
-    suite: OnlineSuiteSpec
-    """Its definition."""
-    applied_by: str
-    """Who applied it last."""
-    applied_at: datetime
-    """When."""
-
-
-class OnlineSuiteList(msgspec.Struct, frozen=True, kw_only=True):
-    """Every online suite."""
-
-    items: list[OnlineSuiteView]
-
-
-class OnlineSuiteDetail(msgspec.Struct, frozen=True, kw_only=True):
-    """One online suite with its rolling scores, fate counts and recent judged observations."""
-
-    suite: OnlineSuiteSpec
-    applied_by: str
-    applied_at: datetime
-    metrics: list[MetricWindow]
-    """Per metric and window (hour, day, week): count, mean, pass rate."""
-    series: list[SeriesPoint] = msgspec.field(default_factory=list)
-    """Per metric and hour of the last 24 hours: count, mean, pass rate (the dashboard's chart)."""
-    fates: list[FateCount]
-    """Observations per fate and reason."""
-    recent: list[JudgedObservation]
-    """The most recently judged observations, newest first."""
-    judge_usage: list[UsageWindow] = msgspec.field(default_factory=list)
-    """What its model judges cost per window (hour, day, week) with a call: calls, tokens, dollars."""
-
-
-class OnlineStats(msgspec.Struct, frozen=True, kw_only=True):
-    """What became of every observation, counted per suite, fate and reason."""
-
-    counts: list[FateCount]
-
-
-class ObservationAnswer(msgspec.Struct, frozen=True, kw_only=True):
-    """Why a trace was (or was not) judged."""
-
-    trace_id: str
-    """The trace asked about."""
-    status: str
-    """`known` (fates follow) or `unknown` (evalbus never received it)."""
-    fates: list[FateView]
-    """Every fate, per suite, in time order."""
-
-
-class SuiteDeleted(msgspec.Struct, frozen=True, kw_only=True):
-    """A deleted suite."""
-
-    suite_id: str
-    deleted: bool = True
 
 
 def _json(value: object, status: int = 200) -> web.Response:

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from evalbus_gateway.api.models import ErrorBody
+from evalbus_api.models import ErrorBody
 from evalbus_gateway.api.table import Body, Link, Route
 
 OPENAPI_VERSION = "3.1.0"

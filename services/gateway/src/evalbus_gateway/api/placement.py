@@ -11,6 +11,8 @@ import msgspec
 from aiohttp import web
 from nats.js import JetStreamContext
 
+from evalbus_api.live import Asked, RunPlacement
+from evalbus_api.views import BatchView
 from evalbus_contracts import InfraMark, LivePlacement, encode, lane_problem, utcnow
 from evalbus_gateway.api.access import LiveRun, visible_live_run
 from evalbus_gateway.api.live import run_status
@@ -18,17 +20,8 @@ from evalbus_gateway.api.reads import requested_on_stream
 from evalbus_gateway.api.table import Body, Call, Param, Route
 from evalbus_gateway.api.validation import path_id
 from evalbus_gateway.live.dispatchers import dispatcher_board, latest_request, requests_ahead
-from evalbus_gateway.live.placement import (
-    Asked,
-    MarkSeen,
-    Requested,
-    RunPlacement,
-    SampleSeen,
-    lanes_waiting,
-    project,
-)
+from evalbus_gateway.live.placement import MarkSeen, Requested, SampleSeen, lanes_waiting, project
 from evalbus_gateway.live.reads import last_on, live_subjects, read_live
-from evalbus_gateway.store.queries import BatchView
 
 
 async def _marks(js: JetStreamContext, run_id: str) -> list[MarkSeen]:

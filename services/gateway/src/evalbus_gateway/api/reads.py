@@ -15,6 +15,7 @@ import msgspec
 import nats.js.errors
 from nats.js import JetStreamContext
 
+from evalbus_api.views import BatchView
 from evalbus_contracts import (
     BatchFinalized,
     BatchRequested,
@@ -27,7 +28,7 @@ from evalbus_contracts import (
 from evalbus_contracts.streams import CASES
 from evalbus_gateway.store import get_batch
 from evalbus_gateway.store.connections import acquire
-from evalbus_gateway.store.queries import BatchView, batch_view
+from evalbus_gateway.store.queries import batch_view
 
 if TYPE_CHECKING:
     from evalbus_gateway.store.connections import Database

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import msgspec
 from aiohttp import web
 
+from evalbus_api.models import BatchAccepted, BatchLinks, ErrorBody
 from evalbus_contracts import (
     BatchRequested,
     BatchSpec,
@@ -42,7 +43,6 @@ from evalbus_contracts import (
 )
 from evalbus_contracts.events import EventBase
 from evalbus_gateway.api.errors import ApiError, not_found
-from evalbus_gateway.api.models import BatchAccepted, BatchLinks, ErrorBody
 from evalbus_gateway.api.reads import finalized_on_stream, find_batch, requested_on_stream
 from evalbus_gateway.api.table import Body, Call, Param, Route
 from evalbus_gateway.api.validation import check_batch_spec, parse_json, path_id, read_body

@@ -18,18 +18,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from evalbus_contracts import BatchCancelled, BatchRequested, BatchSpec, encode, suite_case_count
-from evalbus_gateway.api.access import LiveRun, visible_batch, visible_run
-from evalbus_gateway.api.actions import ROUTES as ACTION_ROUTES
-from evalbus_gateway.api.auth import Principal, authenticate, require_admin
-from evalbus_gateway.api.compare import ROUTES as COMPARE_ROUTES
-from evalbus_gateway.api.datasets import ROUTES as DATASET_ROUTES
-from evalbus_gateway.api.datasets import with_dataset_index
-from evalbus_gateway.api.errors import ApiError, error_middleware
-from evalbus_gateway.api.live import ROUTES as LIVE_ROUTES
-from evalbus_gateway.api.live import live_trace_link
-from evalbus_gateway.api.mcp import ROUTES as MCP_ROUTES
-from evalbus_gateway.api.models import (
+from evalbus_api.models import (
     BatchAccepted,
     BatchLinks,
     BatchPage,
@@ -41,6 +30,18 @@ from evalbus_gateway.api.models import (
     Me,
     Readiness,
 )
+from evalbus_api.views import BatchView, RunView, Stage, Trajectory
+from evalbus_contracts import BatchCancelled, BatchRequested, BatchSpec, encode, suite_case_count
+from evalbus_gateway.api.access import LiveRun, visible_batch, visible_run
+from evalbus_gateway.api.actions import ROUTES as ACTION_ROUTES
+from evalbus_gateway.api.auth import Principal, authenticate, require_admin
+from evalbus_gateway.api.compare import ROUTES as COMPARE_ROUTES
+from evalbus_gateway.api.datasets import ROUTES as DATASET_ROUTES
+from evalbus_gateway.api.datasets import with_dataset_index
+from evalbus_gateway.api.errors import ApiError, error_middleware
+from evalbus_gateway.api.live import ROUTES as LIVE_ROUTES
+from evalbus_gateway.api.live import live_trace_link
+from evalbus_gateway.api.mcp import ROUTES as MCP_ROUTES
 from evalbus_gateway.api.objects import ROUTES as OBJECT_ROUTES
 from evalbus_gateway.api.objects import run_trajectory
 from evalbus_gateway.api.online import ROUTES as ONLINE_ROUTES
@@ -72,7 +73,7 @@ from evalbus_gateway.store import (
     open_batches_by_supersede_key,
     rebuild_read_models,
 )
-from evalbus_gateway.store.queries import BatchView, RebuildOutcome, RunView, Stage, Trajectory
+from evalbus_gateway.store.queries import RebuildOutcome
 from evalbus_gateway.web import ROUTES as WEB_ROUTES
 
 log = logging.getLogger("evalbus.gateway.api")

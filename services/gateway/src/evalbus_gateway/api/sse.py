@@ -28,13 +28,13 @@ from aiohttp import web
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from evalbus_api.models import StreamEnd
+from evalbus_api.views import BatchStatus
 from evalbus_contracts import encode, subjects
 from evalbus_contracts.streams import CASES
-from evalbus_gateway.api.models import StreamEnd
 from evalbus_gateway.api.reads import finalized_on_stream
 from evalbus_gateway.errors import NotReadyError
 from evalbus_gateway.live.fanout import LAGGING, AbortOnLag, Fanout, FeedSpec, Lagged, Watcher, catch_up
-from evalbus_gateway.store.queries import BatchStatus
 
 log = logging.getLogger("evalbus.gateway.sse")
 

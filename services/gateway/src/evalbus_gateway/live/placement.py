@@ -21,17 +21,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Literal
 
-import msgspec
 from msgspec.structs import replace
 
+from evalbus_api.live import Asked, Phase, QueueState, RunPlacement, RunStatus
+from evalbus_api.views import LaneWaiting, RunPhase
 from evalbus_contracts import DEFAULT_LANE, DispatcherStatus, Infra, PlacementSample
-from evalbus_gateway.live.views import RunStatus
-from evalbus_gateway.store.queries import LaneWaiting, RunPhase
-
-Phase = Literal["queued", "blocked", "starting", "running", "dead"]
-"""Where the run's sandbox is."""
 
 _SETTLED: dict[str, RunPhase] = {
     "requested": "executed",  # settled on the stream before the read model recorded it
@@ -46,65 +41,6 @@ LOST_AFTER_S = 15.0
 this long is lost with its dispatcher."""
 STALE_INTERVALS = 3
 """A dispatcher status older than this many of its intervals is a replica gone."""
-
-
-class Asked(msgspec.Struct, frozen=True, kw_only=True):
-    """What the run asked for."""
-
-    slots: int = 1
-    """Compute slots (one sandbox)."""
-    timeout_s: float | None = None
-    """Its time limit, seconds."""
-
-
-class QueueState(msgspec.Struct, frozen=True, kw_only=True):
-    """The dispatchers' queue as a queued run sees it."""
-
-    ahead: int | None = None
-    """Requests ahead of it that no dispatcher took yet (None: it was handed to a dispatcher)."""
-    lane: str = DEFAULT_LANE
-    """The lane whose queue it is (its harness's or case's `lane`)."""
-    dispatchers: int = 0
-    """Dispatcher replicas running that serve the lane."""
-    slots: int = 0
-    """Their compute slots."""
-    used: int = 0
-    """Slots held now."""
-
-
-class RunPlacement(msgspec.Struct, frozen=True, kw_only=True):
-    """`GET /v1/runs/{run_id}/placement`: where the run's sandbox is, and why."""
-
-    run_id: str
-    """The run."""
-    status: RunStatus
-    """`queued`, `running`, or the execution outcome (`succeeded`, `failed`, `cancelled`)."""
-    phase: Phase
-    """`queued`, `blocked`, `starting`, `running` or `dead`."""
-    reason: str | None = None
-    """Why it is queued, blocked or dead, in words."""
-    attempt: int = 1
-    """The attempt this describes."""
-    dispatcher: str | None = None
-    """The dispatcher replica holding (or that held) it."""
-    unit: str | None = None
-    """Backend unit (`pgid:<n>` on the local backend)."""
-    node: str | None = None
-    """Node of the sandbox."""
-    asked: Asked = msgspec.field(default_factory=Asked)
-    """What it asked for."""
-    used: PlacementSample | None = None
-    """The latest resource sample of its harness (pid, processes, memory, CPU, age; the exit sample
-    once it exited, with the exit code, the signal and the OOM verdict)."""
-    restarts: int = 0
-    """Executions before the latest one (retries and redeliveries)."""
-    oom: bool | None = None
-    """OOM verdict of the latest execution's harness, once it exited."""
-    queue: QueueState | None = None
-    """The dispatchers' queue, while it is queued or blocked for want of a dispatcher."""
-    events: tuple[Infra, ...] = ()
-    """The backend's event feed: every infra mark of the run (accepted, waiting, started, placed,
-    exited, released), every execution's, in order."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
 
+from evalbus_api.live import LOG_TAIL_BYTES
 from evalbus_contracts import (
     CaseExecuted,
     DecodeError,
@@ -33,7 +34,7 @@ from evalbus_contracts import (
 )
 from evalbus_contracts.streams import CASES, LIVE
 from evalbus_gateway.live.fanout import FeedSpec
-from evalbus_gateway.live.views import LOG_TAIL_BYTES, Stored, chunk_end, tail_target
+from evalbus_gateway.live.views import Stored, chunk_end, tail_target
 
 log = logging.getLogger("evalbus.gateway.live")
 

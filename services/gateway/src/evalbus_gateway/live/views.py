@@ -1,4 +1,4 @@
-"""What the live reads answer, and the pure parts of projecting the LIVE stream into them.
+"""The pure parts of projecting the LIVE stream into what the live reads answer (`evalbus_api.live`).
 
 A run's live log is the `run.<run>.live.log` chunks in stream order; its live trace is the
 `.infra` marks and `.trace` events in stream order. Frames and snapshots are built here from
@@ -9,18 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
-import msgspec
-
+from evalbus_api.live import LOG_TAIL_BYTES, LiveTraceView, LogChunk, LogTail, RunStatus, RunStreamEnd
 from evalbus_contracts import InfraMark, LiveLog, LivePlacement, LiveTrace, TraceEvent, encode
-
-RunStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-"""Where a run is: requested but not accepted by a dispatcher (`queued`), accepted and not
-settled (`running`), or its execution outcome once `case.executed` is on the stream."""
-
-LOG_TAIL_BYTES = 64 * 1024
-"""Most log text (UTF-8 bytes) a tail snapshot holds, and the tail an event stream starts with."""
 
 LiveEvent = LiveLog | LiveTrace | InfraMark | LivePlacement
 """Any LIVE stream event."""
@@ -32,60 +23,6 @@ class Stored:
 
     seq: int
     event: LiveEvent
-
-
-class LogTail(msgspec.Struct, frozen=True, kw_only=True):
-    """`GET /v1/runs/{run_id}/logs`: the end of the run's live log."""
-
-    run_id: str
-    """The run."""
-    status: RunStatus
-    """`queued`, `running`, or the execution outcome (`succeeded`, `failed`, `cancelled`)."""
-    found: bool
-    """Whether the LIVE stream holds any output of the run (it keeps 15 minutes, 2,000 chunks)."""
-    text: str
-    """The last 64 KiB of stdout and stderr as written, control lines removed."""
-    truncated: bool = False
-    """Older output exists before `text`."""
-    last_event_id: int | None = None
-    """LIVE stream sequence of the last chunk in `text`: send it as `Last-Event-ID` to
-    `/logs/stream` to follow on from exactly here."""
-
-
-class LogChunk(msgspec.Struct, frozen=True, kw_only=True):
-    """Data of an SSE `log` event: one chunk of output."""
-
-    stream: Literal["stdout", "stderr"]
-    """Which stream."""
-    text: str
-    """The text (whole lines except where a line over 16 KiB was split)."""
-    attempt: int = 1
-    """Execution attempt that wrote it."""
-
-
-class LiveTraceView(msgspec.Struct, frozen=True, kw_only=True):
-    """`GET /v1/runs/{run_id}/trajectory/live`: the run's own trace before it seals."""
-
-    run_id: str
-    """The run."""
-    status: RunStatus
-    """`queued`, `running`, or the execution outcome."""
-    found: bool
-    """Whether the LIVE stream holds any mark or event of the run."""
-    events: tuple[TraceEvent, ...]
-    """Infra marks (accepted, waiting, started, released) and the events the harness printed, in
-    the order they were published; the last 2,000 harness events of the last 15 minutes."""
-    last_event_id: int | None = None
-    """LIVE stream sequence of the last event: `Last-Event-ID` for `/trajectory/live/stream`."""
-
-
-class RunStreamEnd(msgspec.Struct, frozen=True, kw_only=True):
-    """Data of the SSE `end` event of a run's live stream: the run settled."""
-
-    run_id: str
-    """The run."""
-    status: RunStatus
-    """Its execution outcome."""
 
 
 # ---------------------------------------------------------------- text

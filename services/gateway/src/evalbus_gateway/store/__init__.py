@@ -3,7 +3,7 @@
 - `migrate`: versioned schema, safe to run from every replica at start.
 - `record`: a batch of CASES messages in one transaction (events, read models, seals).
 - `verify_run` / `verify_batch`: recompute seals (what `evalbus verify` runs).
-- `queries`: the reads of the HTTP API, and `rebuild_read_models` (what `evalbus replay` runs).
+- `queries`: the reads of the HTTP API (their views are `evalbus_api.views`), and `rebuild_read_models` (what `evalbus replay` runs).
 - `finalize_batch`: the `batch.finalized` event of a complete batch.
 """
 
@@ -12,13 +12,7 @@ from evalbus_gateway.store.errors import BatchNotFoundError, MigrationError, Sto
 from evalbus_gateway.store.finalize import finalize_batch
 from evalbus_gateway.store.migrate import migrate
 from evalbus_gateway.store.queries import (
-    BatchView,
     RebuildOutcome,
-    RunPage,
-    RunView,
-    SealView,
-    Trajectory,
-    TrajectoryEvent,
     complete_unfinalized_batches,
     get_batch,
     get_batch_spec,
@@ -34,17 +28,11 @@ from evalbus_gateway.store.verify import BatchVerifyResult, VerifyResult, verify
 __all__ = [
     "BatchNotFoundError",
     "BatchVerifyResult",
-    "BatchView",
     "MigrationError",
     "RebuildOutcome",
     "RecordOutcome",
     "RecordedMessage",
-    "RunPage",
-    "RunView",
-    "SealView",
     "StoreError",
-    "Trajectory",
-    "TrajectoryEvent",
     "VerifyResult",
     "canonical_bytes",
     "chain",

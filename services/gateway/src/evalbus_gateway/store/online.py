@@ -8,11 +8,12 @@ pseudo-batch `online-<suite>` (one per judged observation), windowed on `judged_
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import msgspec
 
+from evalbus_api.online import FateCount, FateView, JudgedObservation, MetricWindow, SeriesPoint, UsageWindow
 from evalbus_contracts import JudgeUsageSummary, Score
 from evalbus_gateway.store.connections import acquire
 from evalbus_gateway.store.projection import ONLINE_BATCH_PREFIX
@@ -26,81 +27,6 @@ WINDOWS: tuple[tuple[str, timedelta], ...] = (
     ("week", timedelta(days=7)),
 )
 """Rolling windows of a suite's summary: name and length."""
-
-
-class FateView(msgspec.Struct, frozen=True, kw_only=True):
-    """One fate of one observation."""
-
-    suite_id: str | None
-    """The suite (None: no suite was defined when it arrived)."""
-    observation_id: str
-    """The observation."""
-    fate: str
-    """sampled, skipped, dropped, late, dead_lettered or judged."""
-    reason: str
-    """Why."""
-    detail: str | None = None
-    """More about the reason."""
-    trace_id: str | None = None
-    """The trace id, when the observation has one."""
-    at: datetime
-    """When it was decided."""
-
-
-class FateCount(msgspec.Struct, frozen=True, kw_only=True):
-    """How many observations met one fate for one reason."""
-
-    suite_id: str | None
-    fate: str
-    reason: str
-    count: int
-
-
-class MetricWindow(msgspec.Struct, frozen=True, kw_only=True):
-    """One metric over one rolling window."""
-
-    metric: str
-    """The metric (`judge:<id>` for judges)."""
-    window: str
-    """hour, day or week."""
-    count: int
-    """Measured scores in the window."""
-    mean: float | None
-    """Their mean."""
-    pass_rate: float | None
-    """Passed ÷ scores with a pass/fail (None: none has one)."""
-
-
-class UsageWindow(msgspec.Struct, frozen=True, kw_only=True):
-    """What the suite's model judges cost over one rolling window."""
-
-    window: str
-    """hour, day or week."""
-    usage: JudgeUsageSummary
-    """Calls, tokens and dollars (of the calls whose cost is known)."""
-
-
-class SeriesPoint(msgspec.Struct, frozen=True, kw_only=True):
-    """One metric over one hour of judged observations."""
-
-    metric: str
-    hour: datetime
-    """Start of the hour (UTC)."""
-    count: int
-    mean: float | None
-    pass_rate: float | None
-
-
-class JudgedObservation(msgspec.Struct, frozen=True, kw_only=True):
-    """A recently judged observation."""
-
-    observation_id: str
-    run_id: str
-    judged_at: datetime | None
-    answer: str | None = None
-    scores: list[Score] = msgspec.field(default_factory=list)
-    trajectory: str
-    """The API path of its stored events."""
 
 
 _FATES = """

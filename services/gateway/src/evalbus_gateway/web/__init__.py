@@ -23,9 +23,9 @@ from importlib import resources
 import msgspec
 from aiohttp import web
 
+from evalbus_api.models import ErrorBody, Me
 from evalbus_gateway.api.auth import SESSION_COOKIE
 from evalbus_gateway.api.errors import ApiError
-from evalbus_gateway.api.models import ErrorBody, Me
 from evalbus_gateway.api.table import Body, Call, Param, Route
 from evalbus_gateway.api.validation import read_json
 

@@ -21,19 +21,11 @@ from urllib.parse import quote
 import aiohttp
 import msgspec
 
-from evalbus_contracts import BatchSpec, Event, JudgeSpec, OnlineSuiteSpec, decode, decode_event, encode
-from evalbus_gateway.api.actions import ExecBody, ExecView, ScreenView, TicketView
-from evalbus_gateway.api.compare import BaselineRequest, BaselineView
-from evalbus_gateway.api.models import (
-    BatchAccepted,
-    BatchPage,
-    CancelAccepted,
-    CasePage,
-    DatasetUploaded,
-    ErrorBody,
-    Me,
-)
-from evalbus_gateway.api.online import (
+from evalbus_api.actions import ExecBody, ExecView, ScreenView, TicketView
+from evalbus_api.compare import BaselineRequest, BaselineView
+from evalbus_api.live import LiveTraceView, LogTail, RunPlacement
+from evalbus_api.models import BatchAccepted, BatchPage, CancelAccepted, CasePage, DatasetUploaded, ErrorBody, Me
+from evalbus_api.online import (
     ObservationAnswer,
     OnlineStats,
     OnlineSuiteDetail,
@@ -41,9 +33,8 @@ from evalbus_gateway.api.online import (
     OnlineSuiteView,
     SuiteDeleted,
 )
-from evalbus_gateway.live.placement import RunPlacement
-from evalbus_gateway.live.views import LiveTraceView, LogTail
-from evalbus_gateway.store.queries import BatchView, RunView, Stage, Trajectory
+from evalbus_api.views import BatchView, RunView, Stage, Trajectory
+from evalbus_contracts import BatchSpec, Event, JudgeSpec, OnlineSuiteSpec, decode, decode_event, encode
 from evalbus_grading.compare import Comparison
 
 T = TypeVar("T")

@@ -1,6 +1,6 @@
 """Wire types of the HTTP API that are not store views (the client decodes them too).
 
-Batches and runs are served as the store's read-model views (`store.queries.BatchView`,
+Batches and runs are served as the store's read-model views (`evalbus_api.views.BatchView`,
 `RunView`, `Trajectory`); these types wrap them in pages and carry what the API adds.
 """
 
@@ -10,8 +10,8 @@ from typing import Literal
 
 import msgspec
 
+from evalbus_api.views import BatchStatus, BatchView, RunView
 from evalbus_contracts import DatasetIndex, ObjectRef
-from evalbus_gateway.store.queries import BatchStatus, BatchView, RunView
 
 Role = Literal["admin", "member"]
 """What a principal may do: `admin` everything, `member` only its own batches."""
