@@ -12,7 +12,14 @@ import pytest
 
 from evalbus_contracts import CasePlan, CaseRequested, CaseSpec, CommandHarness, ComputeSpec, TestsPassGrader
 from evalbus_dispatcher.backends.job_spec import label_value
-from evalbus_dispatcher.backends.kubernetes import JobTemplate, job_manifest, job_name, secret_ref
+from evalbus_dispatcher.backends.kubernetes import (
+    NETWORK_LABEL,
+    JobTemplate,
+    job_manifest,
+    job_name,
+    network_none_policy,
+    secret_ref,
+)
 from evalbus_dispatcher.backends.nomad import NomadTemplate, blocked_reason, nomad_job
 from evalbus_dispatcher.errors import BackendError
 
@@ -86,6 +93,34 @@ def test_the_nomad_job_reads_secrets_from_variables_and_constrains_by_meta() -> 
     ]
     assert job["Meta"]["evalbus_run"] == "evb-b1-c1"
     assert task["Config"]["image"] == "img:1"
+
+
+def test_network_none_labels_the_pod_for_the_deny_all_policy() -> None:
+    template = JobTemplate(namespace="ns", image="img:1")
+    cut_off = job_manifest(request(network="none"), "evb-b1-c1", "evb-b1-c1-a1-abcdef", template)
+    kubernetes_validate.validate(cut_off, "1.33", strict=True)
+    assert cut_off["spec"]["template"]["metadata"]["labels"][NETWORK_LABEL] == "none"
+    default = job_manifest(request(), "evb-b1-c1", "evb-b1-c1-a1-abcdef", template)
+    assert NETWORK_LABEL not in default["spec"]["template"]["metadata"]["labels"]
+    policy = network_none_policy("ns")
+    kubernetes_validate.validate(policy, "1.33", strict=True)
+    assert policy["metadata"] == {"name": "evalbus-network-none", "namespace": "ns",
+                                  "labels": {"app.kubernetes.io/managed-by": "evalbus"}}  # fmt: skip
+    # No `ingress`/`egress` rules with both types listed: nothing in, nothing out.
+    assert policy["spec"] == {"podSelector": {"matchLabels": {NETWORK_LABEL: "none"}},
+                              "policyTypes": ["Ingress", "Egress"]}  # fmt: skip
+
+
+@pytest.mark.parametrize("driver", ["docker", "raw_exec"])
+def test_network_none_gives_the_nomad_group_no_network(driver: str) -> None:
+    template = NomadTemplate(image="img:1", driver=driver)
+    group = nomad_job(request(network="none"), "evb-b1-c1", "j1", template)["Job"]["TaskGroups"][0]
+    assert group["Networks"] == [{"Mode": "none"}]
+    config = group["Tasks"][0]["Config"]
+    assert config.get("network_mode") == ("none" if driver == "docker" else None)
+    default = nomad_job(request(), "evb-b1-c1", "j1", template)["Job"]["TaskGroups"][0]
+    assert "Networks" not in default
+    assert "network_mode" not in default["Tasks"][0]["Config"]
 
 
 def test_a_blocked_evaluation_reads_as_its_exhausted_dimensions() -> None:
