@@ -1,15 +1,18 @@
 """The cluster backends' pure parts: the Job / job they submit, names and labels, secret references,
-reading a blocked evaluation."""
+reading a blocked evaluation; and the network block the fake Nomad agent takes."""
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from typing import Any
 
+import aiohttp
 import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 
+from evalbus.testing.fake_nomad import FakeNomad
 from evalbus_contracts import CasePlan, CaseRequested, CaseSpec, CommandHarness, ComputeSpec, TestsPassGrader
 from evalbus_dispatcher.backends.job_spec import label_value
 from evalbus_dispatcher.backends.kubernetes import (
@@ -142,3 +145,32 @@ def test_a_blocked_evaluation_reads_as_its_exhausted_dimensions() -> None:
         "constraint ${meta.zone} = eu filtered 1 node"
     )
     assert blocked_reason([{"Status": "complete"}]) is None
+
+
+@pytest.mark.integration
+async def test_the_fake_nomad_agent_takes_the_documented_network_block_only() -> None:
+    """The protocol-level fake checks `TaskGroup.Networks[]` as the job API documents it."""
+    template = NomadTemplate(image="evalbus/case:test")
+    made: list[str] = []
+
+    def job_with(network: dict[str, Any], driver: str = "docker") -> dict[str, Any]:
+        made.append(f"j-{len(made)}")
+        body = nomad_job(request(network="none"), "evb-b1-c1", made[-1], replace(template, driver=driver))
+        body["Job"]["TaskGroups"][0]["Networks"] = [network]
+        return body
+
+    async with FakeNomad() as agent, aiohttp.ClientSession() as session:
+        raw_exec = job_with({"Mode": "none"}, driver="raw_exec")
+        raw_exec["Job"]["TaskGroups"][0]["Tasks"][0]["Config"]["network_mode"] = "none"  # a docker option
+        refused = [job_with({"Mode": "airgap"}), job_with({"Mode": "none", "Isolated": True}), raw_exec]
+        for body in refused:
+            async with session.post(f"{agent.url}/v1/jobs", json=body) as answer:
+                assert answer.status == 400, await answer.text()
+        assert len(agent.violations) == 3, agent.violations
+        assert "airgap" in agent.violations[0]
+        assert "Isolated" in agent.violations[1]
+        assert "network_mode" in agent.violations[2]
+        assert agent.registered == []
+        async with session.post(f"{agent.url}/v1/jobs", json=job_with({"Mode": "none"})) as answer:
+            assert answer.status == 200, await answer.text()
+        assert agent.registered[-1]["TaskGroups"][0]["Networks"] == [{"Mode": "none"}]

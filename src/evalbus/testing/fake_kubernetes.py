@@ -235,6 +235,8 @@ class FakeKubernetes:
         self.jobs: dict[tuple[str, str], Json] = {}
         self.network_policies: dict[tuple[str, str], Json] = {}
         """Created NetworkPolicies by (namespace, name)."""
+        self.forbid_network_policies = False
+        """Answer NetworkPolicy creates `403 Forbidden`, as RBAC does for a Role without them."""
         self.created_jobs: list[Json] = []
         """Every Job body accepted, in order (kept after the Job is deleted)."""
         self.pods: dict[tuple[str, str], FakePod] = {}
@@ -436,14 +438,21 @@ class FakeKubernetes:
     async def _create_network_policy(self, request: web.Request) -> web.StreamResponse:
         if (refused := self._check(request, _CREATE_PARAMS)) is not None:
             return refused
+        ns = request.match_info["ns"]
+        if self.forbid_network_policies:  # authorization comes before the body is read
+            message = (f'networkpolicies.networking.k8s.io is forbidden: User "system:serviceaccount:{ns}:evalbus-'
+                       f'dispatcher" cannot create resource "networkpolicies" in API group "networking.k8s.io" in the '
+                       f'namespace "{ns}"')  # fmt: skip
+            return web.json_response(_status(403, "Forbidden", message), status=403)
         body = await self._json_body(request)
         if isinstance(body, web.Response):
             return body
         if body.get("apiVersion") != "networking.k8s.io/v1" or body.get("kind") != "NetworkPolicy":
-            return self._refuse(400, "BadRequest", "POST .../networkpolicies takes a networking.k8s.io/v1 NetworkPolicy")
+            return self._refuse(
+                400, "BadRequest", "POST .../networkpolicies takes a networking.k8s.io/v1 NetworkPolicy"
+            )
         if (refused := self._validate(body, "NetworkPolicy")) is not None:
             return refused
-        ns = request.match_info["ns"]
         meta = body.get("metadata") or {}
         name = meta.get("name")
         if not name or len(name) > 253 or not re.fullmatch(_DNS_SUBDOMAIN, name):

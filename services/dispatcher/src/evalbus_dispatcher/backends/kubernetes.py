@@ -404,8 +404,9 @@ class KubernetesBackend:
         self._pool = ThreadPoolExecutor(max_workers=2 * slots + 4, thread_name_prefix="evalbus-k8s")
         self._session: aiohttp.ClientSession | None = None
         self._access = ApiAccess.from_configuration(api.configuration)
-        self._network_policy_ready = False
-        self._network_policy_lock = asyncio.Lock()
+        self._isolating: set[str] = set()
+        """Namespaces where the deny-all NetworkPolicy is known to exist."""
+        self._isolating_lock = asyncio.Lock()
 
     @property
     def template(self) -> JobTemplate:
@@ -500,13 +501,14 @@ class KubernetesBackend:
     async def _ensure_network_policy(self) -> None:
         """Create the deny-all NetworkPolicy once (one that exists is fine: another dispatcher, or an
         earlier run of this one, made it). A case asking `network: none` never runs without it: a
-        cluster that refuses it (RBAC, no NetworkPolicy API) fails the case as a config error."""
-        if self._network_policy_ready:
+        cluster that refuses it (403: the dispatcher's Role lacks `networkpolicies` create) fails the
+        case as a config error; another failure is an orchestrator error, tried again."""
+        namespace = self._template.namespace
+        if namespace in self._isolating:
             return
-        async with self._network_policy_lock:  # cases provisioned together: one create
-            if self._network_policy_ready:
+        async with self._isolating_lock:  # cases provisioned together: one create
+            if namespace in self._isolating:
                 return
-            namespace = self._template.namespace
             try:
                 await self.call(
                     self._networking.create_namespaced_network_policy,
@@ -520,7 +522,7 @@ class KubernetesBackend:
                     raise _api_error(f"cannot create the NetworkPolicy {NETWORK_NONE_POLICY}", e) from e
             except OSError as e:
                 raise BackendError(f"cannot reach the Kubernetes API: {e}", code="orchestrator_unreachable") from e
-            self._network_policy_ready = True
+            self._isolating.add(namespace)
 
     async def _refuse_unfit(self, compute: ComputeSpec) -> None:
         try:
