@@ -236,8 +236,8 @@ class TraceSpec(_Spec, frozen=True, kw_only=True):
 
 
 class ComputeSpec(_Spec, frozen=True, kw_only=True):
-    """What a case's job asks a cluster backend (Kubernetes, Nomad) for; the local backend ignores
-    it, except `network: none`, which it refuses."""
+    """What a case's job asks a container backend (Docker, Kubernetes, Nomad) for; the local backend
+    ignores it, except `network: none`, which it refuses."""
 
     image: str | None = None
     """Container image holding the harness and the in-job runner (`python -m evalbus.runner`);
