@@ -5,10 +5,9 @@ with the job spec in `EVALBUS_JOB`; `harness.compute` gives its image, CPU/memor
 limits), GPUs (`nvidia.com/gpu`) and `nodeSelector`; `network: none` labels the pod
 `evalbus.dev/network: none`, which the deny-all NetworkPolicy `evalbus-network-none` selects (the
 backend creates it once, before the first such Job; only a CNI that enforces NetworkPolicy cuts the
-pod off); each `secret_env` entry becomes a
-`secretKeyRef` by name (`name` → Secret `name`, key `value`; `name/key` → that key), so no secret
-value is ever in the Job spec or known to the dispatcher. The run id is a label (label-safe form)
-and an annotation (exact).
+pod off); each `secret_env` entry becomes a `secretKeyRef` by name (`name` → Secret `name`, key
+`value`; `name/key` → that key), so no secret value is ever in the Job spec or known to the
+dispatcher. The run id is a label (label-safe form) and an annotation (exact).
 
 While the pod comes up the sandbox polls it and its Events and marks the run's trace: `submitted`,
 `waiting` with the scheduler's `FailedScheduling` message (the run reads *blocked*), `scheduled`

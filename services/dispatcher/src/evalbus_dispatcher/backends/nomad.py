@@ -3,9 +3,9 @@
 The job's one task runs the in-job runner (docs/backends.md) with the job spec in `EVALBUS_JOB`;
 `harness.compute` gives its image (`docker` driver), CPU (cores × `cpu_mhz_per_core` MHz), memory,
 GPUs (a `nvidia/gpu` device), `${meta.<key>}` constraints and, for `network: none`, a group
-network in mode `none` (and the `docker` driver's `network_mode = "none"`); each `secret_env` entry becomes a
-template reading a Nomad Variable by name (`<variables_prefix>/<name>`, item `value`) into the
-task's environment — no value in the job. The run id is in the job's `Meta`.
+network in mode `none` (and the `docker` driver's `network_mode = "none"`); each `secret_env`
+entry becomes a template reading a Nomad Variable by name (`<variables_prefix>/<name>`, item
+`value`) into the task's environment — no value in the job. The run id is in the job's `Meta`.
 
 While the allocation comes up the sandbox polls the job's evaluations and allocations and marks the
 run's trace: `submitted`; `waiting` with `blocked: <the blocked evaluation's exhausted dimensions and
