@@ -27,6 +27,7 @@ from evalbus_contracts import (
     EVENT_TYPES,
     STREAMS,
     CaseRequested,
+    ComputeSpec,
     InvalidIdError,
     OnlineSuiteApplied,
     decode,
@@ -457,3 +458,13 @@ def test_live_filter_selects_exactly_one_run(run_id: str, other: str, channel: s
     subject = subjects.live_subject(run_id, channel)
     assert subject_matches(subjects.live_filter(run_id), subject)
     assert subject_matches(subjects.live_filter(other), subject) == (other == run_id)
+
+
+def test_a_compute_spec_with_the_default_network_encodes_as_before() -> None:
+    """`network` is a field with a default: a spec that keeps it encodes without the key (an older
+    gateway still takes it), `none` round-trips, and a value outside the set is refused."""
+    assert b"network" not in encode(ComputeSpec(cpu=2))
+    offline = ComputeSpec(network="none")
+    assert msgspec.json.decode(encode(offline), type=ComputeSpec) == offline
+    with pytest.raises(msgspec.ValidationError, match="network"):
+        msgspec.json.decode(b'{"network": "offline"}', type=ComputeSpec)

@@ -110,6 +110,8 @@ class Target:
     """Takes a node away with what runs on it — on a fake cluster only."""
     docker: FakeDocker | None = None
     """The fake engine, on `docker-fake`."""
+    nomad: FakeNomad | None = None
+    """The fake agent, on `nomad`."""
     gone: Callable[[], Awaitable[bool]] | None = None
     """Whether nothing of the case is left on the backend."""
     handles: list[SandboxHandle] = field(default_factory=list)
@@ -178,6 +180,7 @@ async def open_target(name: str, tmp_path: Path) -> AsyncIterator[Target]:
                         n, cpu_mhz=int(cpu * 1000), memory_mb=mb, meta=meta
                     ),
                     lose_node=agent.lose_node,
+                    nomad=agent,
                 )
             finally:
                 await nomad_backend.close()
@@ -416,6 +419,41 @@ async def test_cancel_kills_and_releases(target: Target, make: Callable[..., Cas
         assert target.fake.watches >= 1  # the pod is watched, not only polled
     if target.docker is not None:
         assert target.docker.removals[-1][1] is True  # removed with force, while it ran
+
+
+async def test_network_none_cuts_the_case_off_or_is_refused(target: Target, make: Callable[..., CaseRequested]) -> None:
+    offline = ComputeSpec(cpu=0.5, memory_mb=256, network="none")
+    cases = [make('print(\'EVALBUS_RESULT {"answer": "offline"}\')', case_id=c, compute=offline) for c in ("n1", "n2")]
+    if not target.cluster:  # a local process cannot be cut off: refused, never run with the network
+        done = await run(target, cases[0], [])
+        failure = done.result.failure
+        assert failure is not None
+        assert (failure.code, failure.failure_class, failure.retryable) == ("network_isolation_unsupported", "config",
+                                                                            False)  # fmt: skip
+        assert "docker, kubernetes or nomad" in failure.message
+        assert target.gone is None or await target.gone()
+        return
+    finished = await asyncio.gather(*(run(target, req, []) for req in cases))  # provisioned together
+    for done in finished:
+        assert done.status == "succeeded", done.result.failure
+        assert done.result.answer == "offline"
+    if target.docker is not None:
+        assert [body["HostConfig"]["NetworkMode"] for body in target.docker.created] == ["none", "none"]
+    if target.nomad is not None:
+        for job in target.nomad.registered:
+            group = job["TaskGroups"][0]
+            assert group["Networks"] == [{"Mode": "none"}]
+            assert group["Tasks"][0]["Config"]["network_mode"] == "none"
+    if target.fake is not None:
+        labels = [job["spec"]["template"]["metadata"]["labels"] for job in target.fake.created_jobs]
+        assert [pod.get("evalbus.dev/network") for pod in labels] == ["none", "none"]
+        assert list(target.fake.network_policies) == [("evalbus", "evalbus-network-none")]
+        policy = target.fake.network_policies[("evalbus", "evalbus-network-none")]["spec"]
+        assert policy == {"podSelector": {"matchLabels": {"evalbus.dev/network": "none"}},
+                          "policyTypes": ["Ingress", "Egress"]}  # fmt: skip
+        created = [r for r in target.fake.requests if r[0] == "POST" and r[1].endswith("/networkpolicies")]
+        assert created == [("POST", "/apis/networking.k8s.io/v1/namespaces/evalbus/networkpolicies")]  # once
+    assert target.gone is None or await target.gone()
 
 
 # ---------------------------------------------------------------- orchestrator scenarios

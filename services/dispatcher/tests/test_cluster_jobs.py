@@ -1,18 +1,28 @@
 """The cluster backends' pure parts: the Job / job they submit, names and labels, secret references,
-reading a blocked evaluation."""
+reading a blocked evaluation; and the network block the fake Nomad agent takes."""
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from typing import Any
 
+import aiohttp
 import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 
+from evalbus.testing.fake_nomad import FakeNomad
 from evalbus_contracts import CasePlan, CaseRequested, CaseSpec, CommandHarness, ComputeSpec, TestsPassGrader
 from evalbus_dispatcher.backends.job_spec import label_value
-from evalbus_dispatcher.backends.kubernetes import JobTemplate, job_manifest, job_name, secret_ref
+from evalbus_dispatcher.backends.kubernetes import (
+    NETWORK_LABEL,
+    JobTemplate,
+    job_manifest,
+    job_name,
+    network_none_policy,
+    secret_ref,
+)
 from evalbus_dispatcher.backends.nomad import NomadTemplate, blocked_reason, nomad_job
 from evalbus_dispatcher.errors import BackendError
 
@@ -88,6 +98,34 @@ def test_the_nomad_job_reads_secrets_from_variables_and_constrains_by_meta() -> 
     assert task["Config"]["image"] == "img:1"
 
 
+def test_network_none_labels_the_pod_for_the_deny_all_policy() -> None:
+    template = JobTemplate(namespace="ns", image="img:1")
+    cut_off = job_manifest(request(network="none"), "evb-b1-c1", "evb-b1-c1-a1-abcdef", template)
+    kubernetes_validate.validate(cut_off, "1.33", strict=True)
+    assert cut_off["spec"]["template"]["metadata"]["labels"][NETWORK_LABEL] == "none"
+    default = job_manifest(request(), "evb-b1-c1", "evb-b1-c1-a1-abcdef", template)
+    assert NETWORK_LABEL not in default["spec"]["template"]["metadata"]["labels"]
+    policy = network_none_policy("ns")
+    kubernetes_validate.validate(policy, "1.33", strict=True)
+    assert policy["metadata"] == {"name": "evalbus-network-none", "namespace": "ns",
+                                  "labels": {"app.kubernetes.io/managed-by": "evalbus"}}  # fmt: skip
+    # No `ingress`/`egress` rules with both types listed: nothing in, nothing out.
+    assert policy["spec"] == {"podSelector": {"matchLabels": {NETWORK_LABEL: "none"}},
+                              "policyTypes": ["Ingress", "Egress"]}  # fmt: skip
+
+
+@pytest.mark.parametrize("driver", ["docker", "raw_exec"])
+def test_network_none_gives_the_nomad_group_no_network(driver: str) -> None:
+    template = NomadTemplate(image="img:1", driver=driver)
+    group = nomad_job(request(network="none"), "evb-b1-c1", "j1", template)["Job"]["TaskGroups"][0]
+    assert group["Networks"] == [{"Mode": "none"}]
+    config = group["Tasks"][0]["Config"]
+    assert config.get("network_mode") == ("none" if driver == "docker" else None)
+    default = nomad_job(request(), "evb-b1-c1", "j1", template)["Job"]["TaskGroups"][0]
+    assert "Networks" not in default
+    assert "network_mode" not in default["Tasks"][0]["Config"]
+
+
 def test_a_blocked_evaluation_reads_as_its_exhausted_dimensions() -> None:
     evaluations: list[dict[str, Any]] = [
         {"Status": "complete"},
@@ -107,3 +145,32 @@ def test_a_blocked_evaluation_reads_as_its_exhausted_dimensions() -> None:
         "constraint ${meta.zone} = eu filtered 1 node"
     )
     assert blocked_reason([{"Status": "complete"}]) is None
+
+
+@pytest.mark.integration
+async def test_the_fake_nomad_agent_takes_the_documented_network_block_only() -> None:
+    """The protocol-level fake checks `TaskGroup.Networks[]` as the job API documents it."""
+    template = NomadTemplate(image="evalbus/case:test")
+    made: list[str] = []
+
+    def job_with(network: dict[str, Any], driver: str = "docker") -> dict[str, Any]:
+        made.append(f"j-{len(made)}")
+        body = nomad_job(request(network="none"), "evb-b1-c1", made[-1], replace(template, driver=driver))
+        body["Job"]["TaskGroups"][0]["Networks"] = [network]
+        return body
+
+    async with FakeNomad() as agent, aiohttp.ClientSession() as session:
+        raw_exec = job_with({"Mode": "none"}, driver="raw_exec")
+        raw_exec["Job"]["TaskGroups"][0]["Tasks"][0]["Config"]["network_mode"] = "none"  # a docker option
+        refused = [job_with({"Mode": "airgap"}), job_with({"Mode": "none", "Isolated": True}), raw_exec]
+        for body in refused:
+            async with session.post(f"{agent.url}/v1/jobs", json=body) as answer:
+                assert answer.status == 400, await answer.text()
+        assert len(agent.violations) == 3, agent.violations
+        assert "airgap" in agent.violations[0]
+        assert "Isolated" in agent.violations[1]
+        assert "network_mode" in agent.violations[2]
+        assert agent.registered == []
+        async with session.post(f"{agent.url}/v1/jobs", json=job_with({"Mode": "none"})) as answer:
+            assert answer.status == 200, await answer.text()
+        assert agent.registered[-1]["TaskGroups"][0]["Networks"] == [{"Mode": "none"}]

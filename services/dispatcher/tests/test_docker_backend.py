@@ -73,6 +73,13 @@ def test_the_create_request_carries_resources_labels_and_the_secret_only_in_env(
 
 
 @pytest.mark.unit
+def test_network_none_overrides_the_templates_network() -> None:
+    bridged = DockerTemplate(image="evalbus/case:latest", network="evals-net")
+    assert container_body(request(network="none"), "r", bridged, {})["HostConfig"]["NetworkMode"] == "none"
+    assert container_body(request(), "r", bridged, {})["HostConfig"]["NetworkMode"] == "evals-net"
+
+
+@pytest.mark.unit
 def test_multiplexed_frames_are_split_across_chunk_boundaries() -> None:
     data = frame(1, b"out line\n") + frame(2, b"err") + frame(1, b"")
     splitter = FrameSplitter()

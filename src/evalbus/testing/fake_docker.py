@@ -219,6 +219,8 @@ class FakeDocker:
         """(method, path) of every request, version prefix included."""
         self.removals: list[tuple[str, bool]] = []
         """(container id, force) of every removal."""
+        self.created: list[Json] = []
+        """Every `ContainerCreateRequest` accepted, in order (kept after the container is removed)."""
         self._changed = asyncio.Event()
         self._root = Path(tempfile.mkdtemp(prefix="fake-docker-"))
         self._runner: web.AppRunner | None = None
@@ -458,6 +460,7 @@ class FakeDocker:
             return web.json_response({"message": f"No such image: {image}"}, status=404)
         container = FakeContainer(id=secrets.token_hex(32), name=name, config=body, host=body.get("HostConfig") or {})
         self.containers[container.id] = container
+        self.created.append(body)
         self._event(container, "create")
         return web.json_response({"Id": container.id, "Warnings": []}, status=201)
 

@@ -17,6 +17,11 @@ a `secretKeyRef` to a missing secret gives `CreateContainerConfigError`; a conta
 processes together use more resident memory than its limit is killed (`OOMKilled`, exit 137); a
 Job past its `activeDeadlineSeconds` is killed (`DeadlineExceeded`). Logs (stdout and stderr merged,
 as the kubelet serves them) follow the process. Events carry real timestamps.
+
+NetworkPolicies (`POST /apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies`) are validated
+against the `networking.k8s.io/v1` schema, stored (a second create of a name is 409 AlreadyExists)
+and listed in `network_policies`, but not enforced: pods run with the host's network, as on a
+cluster whose CNI ignores NetworkPolicy.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ _LOG_PARAMS = {
     "pretty", "insecureSkipTLSVerifyBackend", "stream",
 }  # fmt: skip
 _CREATE_PARAMS = {"dryRun", "fieldManager", "fieldValidation", "pretty"}
+_DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
 _DELETE_PARAMS = {
     "dryRun", "gracePeriodSeconds", "propagationPolicy", "orphanDependents", "pretty",
     "ignoreStoreReadErrorWithClusterBreakingPotential",
@@ -227,6 +233,12 @@ class FakeKubernetes:
         self.nodes: dict[str, FakeNode] = {}
         self.secrets: dict[tuple[str, str], dict[str, str]] = {}
         self.jobs: dict[tuple[str, str], Json] = {}
+        self.network_policies: dict[tuple[str, str], Json] = {}
+        """Created NetworkPolicies by (namespace, name)."""
+        self.forbid_network_policies = False
+        """Answer NetworkPolicy creates `403 Forbidden`, as RBAC does for a Role without them."""
+        self.created_jobs: list[Json] = []
+        """Every Job body accepted, in order (kept after the Job is deleted)."""
         self.pods: dict[tuple[str, str], FakePod] = {}
         self.events: list[Json] = []
         self.violations: list[str] = []
@@ -281,6 +293,7 @@ class FakeKubernetes:
         app.router.add_get("/api/v1/namespaces/{ns}/pods/{name}/exec", self._exec)
         app.router.add_get("/api/v1/namespaces/{ns}/events", self._list_events)
         app.router.add_get("/api/v1/nodes", self._list_nodes)
+        app.router.add_post("/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies", self._create_network_policy)
         self._runner = web.AppRunner(app, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -407,6 +420,7 @@ class FakeKubernetes:
             "status": {"active": 1, "startTime": _now()},
         }
         self.jobs[(ns, name)] = job
+        self.created_jobs.append(body)
         pod_name = f"{name}-{secrets.token_hex(3)[:5]}"
         labels = {
             **body["spec"]["template"]["metadata"].get("labels", {}),
@@ -418,6 +432,49 @@ class FakeKubernetes:
         self.pods[(ns, pod_name)] = pod
         pod.tasks.append(asyncio.create_task(self._kubelet(pod, job)))
         return web.json_response(job, status=201)
+
+    # ------------------------------------------------------------ network policies
+
+    async def _create_network_policy(self, request: web.Request) -> web.StreamResponse:
+        if (refused := self._check(request, _CREATE_PARAMS)) is not None:
+            return refused
+        ns = request.match_info["ns"]
+        if self.forbid_network_policies:  # authorization comes before the body is read
+            message = (f'networkpolicies.networking.k8s.io is forbidden: User "system:serviceaccount:{ns}:evalbus-'
+                       f'dispatcher" cannot create resource "networkpolicies" in API group "networking.k8s.io" in the '
+                       f'namespace "{ns}"')  # fmt: skip
+            return web.json_response(_status(403, "Forbidden", message), status=403)
+        body = await self._json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        if body.get("apiVersion") != "networking.k8s.io/v1" or body.get("kind") != "NetworkPolicy":
+            return self._refuse(
+                400, "BadRequest", "POST .../networkpolicies takes a networking.k8s.io/v1 NetworkPolicy"
+            )
+        if (refused := self._validate(body, "NetworkPolicy")) is not None:
+            return refused
+        meta = body.get("metadata") or {}
+        name = meta.get("name")
+        if not name or len(name) > 253 or not re.fullmatch(_DNS_SUBDOMAIN, name):
+            return self._refuse(422, "Invalid", f"NetworkPolicy name {name!r} must be a DNS-1123 subdomain")
+        if meta.get("namespace", ns) != ns:
+            return self._refuse(400, "BadRequest", "the namespace of the body does not match the path")
+        spec = body.get("spec") or {}
+        if "podSelector" not in spec:
+            return self._refuse(422, "Invalid", "spec.podSelector: Required value")
+        types = spec.get("policyTypes", [])
+        if any(t not in ("Ingress", "Egress") for t in types) or len(set(types)) != len(types):
+            return self._refuse(422, "Invalid", f"spec.policyTypes {types!r}: each of Ingress, Egress at most once")
+        if (ns, name) in self.network_policies:
+            message = f'networkpolicies.networking.k8s.io "{name}" already exists'
+            return web.json_response(_status(409, "AlreadyExists", message), status=409)
+        policy = {
+            **body,
+            "metadata": {**meta, "namespace": ns, "uid": str(uuid.uuid4()), "creationTimestamp": _now(),
+                         "resourceVersion": "1", "generation": 1},
+        }  # fmt: skip
+        self.network_policies[(ns, name)] = policy
+        return web.json_response(policy, status=201)
 
     async def _list_jobs(self, request: web.Request) -> web.StreamResponse:
         if (refused := self._check(request, _LIST_PARAMS)) is not None:

@@ -14,7 +14,10 @@ constraints and the nodes' free CPU (MHz) and memory, else the evaluation is `bl
 exhausted dimensions and placed once a node is added; a `docker` task whose image is not in
 `images` fails with a `Driver Failure` event; a `nomadVar` template whose variable is missing blocks
 with a `Template` event saying so; a task past its `MemoryMB` is killed (`oom_killed` in its
-`Terminated` event, exit 137). Task events carry real timestamps (Unix nanoseconds).
+`Terminated` event, exit 137). Task events carry real timestamps (Unix nanoseconds). A group's
+`Networks` (`NetworkResource`: its fields, one block, `Mode` one of the documented modes) and the
+`docker` driver's `network_mode` are validated and kept in `jobs`, not enforced: the task still runs
+as a local process with the host's network.
 """
 
 from __future__ import annotations
@@ -62,6 +65,12 @@ _CONSTRAINT_FIELDS = {"LTarget", "RTarget", "Operand"}
 _RESTART_FIELDS = {"Interval", "Attempts", "Delay", "Mode", "RenderTemplates"}
 _RESCHEDULE_FIELDS = {"Attempts", "Interval", "Delay", "DelayFunction", "MaxDelay", "Unlimited"}
 _DEVICE_FIELDS = {"Name", "Count", "Constraints", "Affinities"}
+_NETWORK_FIELDS = {
+    "Mode", "Device", "CIDR", "IP", "Hostname", "MBits", "DNS", "ReservedPorts", "DynamicPorts", "CNI",
+}  # fmt: skip
+"""`NetworkResource`, a group's `network` block (`TaskGroup.Networks[]`)."""
+_NETWORK_MODE = re.compile(r"^(|host|bridge|none|cni/[A-Za-z0-9_.-]+)$")
+"""The documented network modes: `host` (the default), `bridge`, `none`, `cni/<name>`."""
 _VAR_TEMPLATE = re.compile(r'\{\{\s*with nomadVar "([^"]+)"\s*\}\}(\w+)=\{\{\s*\.(\w+)\s*\}\}\{\{\s*end\s*\}\}')
 _DEFAULT_IMAGE = "evalbus/case:test"
 
@@ -169,6 +178,8 @@ class FakeNomad:
         self.variables: dict[str, dict[str, str]] = {}
         """Nomad Variables: path → items."""
         self.jobs: dict[str, Json] = {}
+        self.registered: list[Json] = []
+        """Every job accepted by `POST /v1/jobs`, in order (kept after it is deregistered)."""
         self.evals: dict[str, list[Json]] = {}
         self.allocs: dict[str, FakeAlloc] = {}
         self.violations: list[str] = []
@@ -275,15 +286,29 @@ class FakeNomad:
         checks += [("Task", task, _TASK_FIELDS), ("Resources", task.get("Resources"), _RESOURCE_FIELDS)]
         checks += [("Template", t, _TEMPLATE_FIELDS) for t in task.get("Templates") or []]
         checks += [("RequestedDevice", d, _DEVICE_FIELDS) for d in (task.get("Resources") or {}).get("Devices") or []]
+        networks = group.get("Networks") or []
+        if not isinstance(networks, list):
+            return "TaskGroup.Networks must be a list"
+        checks += [("NetworkResource", n, _NETWORK_FIELDS) for n in networks]
         for what, obj, allowed in checks:
             if problem := self._fields(what, obj, allowed):
                 return problem
+        if len(networks) > 1:
+            return "a task group takes at most one network block"
+        for network in networks:
+            if not isinstance(network.get("Mode", ""), str) or not _NETWORK_MODE.match(network.get("Mode", "")):
+                return f"NetworkResource.Mode {network.get('Mode')!r} is not host, bridge, none or cni/<name>"
         if not task.get("Name") or task.get("Driver") not in ("raw_exec", "exec", "docker"):
             return "Task needs a Name and a Driver (raw_exec, exec or docker)"
         if not isinstance(task.get("Config"), dict) or not isinstance(task.get("Env", {}), dict):
             return "Task.Config and Task.Env must be objects"
         if not all(isinstance(v, str) for v in (task.get("Env") or {}).values()):
             return "Task.Env values must be strings"
+        mode = task["Config"].get("network_mode")
+        if task.get("Driver") == "docker" and mode is not None and not isinstance(mode, str):
+            return "Task.Config.network_mode (docker) must be a string"
+        if task.get("Driver") != "docker" and mode is not None:
+            return f"Task.Config.network_mode is a docker driver option, not {task.get('Driver')}'s"
         return None
 
     # ------------------------------------------------------------ jobs
@@ -300,6 +325,7 @@ class FakeNomad:
             return self._refuse(400, f"POST /v1/jobs: {problem}")
         job = body["Job"]
         self.jobs[job["ID"]] = job
+        self.registered.append(job)
         self.evals[job["ID"]] = []
         self._place(job["ID"])
         eval_id = self.evals[job["ID"]][0]["ID"]

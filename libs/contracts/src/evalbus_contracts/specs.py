@@ -236,7 +236,8 @@ class TraceSpec(_Spec, frozen=True, kw_only=True):
 
 
 class ComputeSpec(_Spec, frozen=True, kw_only=True):
-    """What a case's job asks a cluster backend (Kubernetes, Nomad) for; the local backend ignores it."""
+    """What a case's job asks a container backend (Docker, Kubernetes, Nomad) for; the local backend
+    ignores it, except `network: none`, which it refuses."""
 
     image: str | None = None
     """Container image holding the harness and the in-job runner (`python -m evalbus.runner`);
@@ -249,6 +250,11 @@ class ComputeSpec(_Spec, frozen=True, kw_only=True):
     """GPUs requested (`nvidia.com/gpu` on Kubernetes, a `nvidia/gpu` device on Nomad)."""
     node_selector: dict[str, str] = msgspec.field(default_factory=dict)
     """Node labels (Kubernetes) or node metadata (Nomad constraints) the job must land on."""
+    network: Literal["default", "none"] = "default"
+    """`default`: the backend's network (the Docker template's, the cluster's); `none`: the case's
+    unit has no network — Docker `NetworkMode: none`, a Nomad group network in mode `none`, a
+    Kubernetes pod labelled `evalbus.dev/network: none` under a deny-all NetworkPolicy (enforced
+    only by a CNI that enforces NetworkPolicy). The local backend refuses it (`config` error)."""
 
 
 HarnessKind = Literal["command", "worker"]

@@ -100,7 +100,7 @@ def container_body(
         "NanoCpus": max(1, int(compute.cpu * 1e9)),
         "Memory": compute.memory_mb * _MIB,
         "MemorySwap": compute.memory_mb * _MIB,
-        "NetworkMode": template.network,
+        "NetworkMode": "none" if compute.network == "none" else template.network,
         "RestartPolicy": {"Name": "no"},
         "AutoRemove": False,
         "Init": True,

@@ -2,10 +2,12 @@
 
 The Job runs the in-job runner (`python -m evalbus.runner`, docs/backends.md) in the case image
 with the job spec in `EVALBUS_JOB`; `harness.compute` gives its image, CPU/memory (requests =
-limits), GPUs (`nvidia.com/gpu`) and `nodeSelector`; each `secret_env` entry becomes a
-`secretKeyRef` by name (`name` → Secret `name`, key `value`; `name/key` → that key), so no secret
-value is ever in the Job spec or known to the dispatcher. The run id is a label (label-safe form)
-and an annotation (exact).
+limits), GPUs (`nvidia.com/gpu`) and `nodeSelector`; `network: none` labels the pod
+`evalbus.dev/network: none`, which the deny-all NetworkPolicy `evalbus-network-none` selects (the
+backend creates it once, before the first such Job; only a CNI that enforces NetworkPolicy cuts the
+pod off); each `secret_env` entry becomes a `secretKeyRef` by name (`name` → Secret `name`, key
+`value`; `name/key` → that key), so no secret value is ever in the Job spec or known to the
+dispatcher. The run id is a label (label-safe form) and an annotation (exact).
 
 While the pod comes up the sandbox polls it and its Events and marks the run's trace: `submitted`,
 `waiting` with the scheduler's `FailedScheduling` message (the run reads *blocked*), `scheduled`
@@ -77,6 +79,10 @@ WORKING_DIR = "/evalbus"
 RUN_LABEL = "evalbus.dev/run"
 """Label holding the run id (label-safe form); the annotation of the same name holds it exactly."""
 MANAGED_BY = {"app.kubernetes.io/managed-by": "evalbus"}
+NETWORK_LABEL = "evalbus.dev/network"
+"""Pod label of a case asking `network: none`; the isolating NetworkPolicy selects it."""
+NETWORK_NONE_POLICY = "evalbus-network-none"
+"""The NetworkPolicy denying all ingress and egress to pods labelled `evalbus.dev/network: none`."""
 START_FAILURES = frozenset(
     {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull", "CreateContainerConfigError",
      "CreateContainerError", "RunContainerError"}
@@ -140,6 +146,17 @@ class JobTemplate:
     """The pods' service account (None: the namespace's default; its token is not mounted)."""
 
 
+def network_none_policy(namespace: str) -> dict[str, Any]:
+    """The `networking.k8s.io/v1` NetworkPolicy cutting off `network: none` pods: it selects them and
+    lists both policy types with no rule, so no ingress and no egress is allowed (DNS included)."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": NETWORK_NONE_POLICY, "namespace": namespace, "labels": dict(MANAGED_BY)},
+        "spec": {"podSelector": {"matchLabels": {NETWORK_LABEL: "none"}}, "policyTypes": ["Ingress", "Egress"]},
+    }
+
+
 def job_manifest(job: CaseRequested, run_id: str, name: str, template: JobTemplate) -> dict[str, Any]:
     """The `batch/v1` Job for one execution of a case attempt."""
     harness = job.harness
@@ -150,6 +167,8 @@ def job_manifest(job: CaseRequested, run_id: str, name: str, template: JobTempla
         for var, secret in harness.secret_env.items()
     ]
     labels = {**MANAGED_BY, RUN_LABEL: label_value(run_id), "evalbus.dev/attempt": str(job.attempt)}
+    if harness.resources().network == "none":
+        labels[NETWORK_LABEL] = "none"
     annotations = {RUN_LABEL: run_id}
     if job.batch_id is not None:
         annotations["evalbus.dev/batch"] = job.batch_id
@@ -375,6 +394,7 @@ class KubernetesBackend:
         self._api = api
         self._core = k8s.CoreV1Api(api)
         self._batch = k8s.BatchV1Api(api)
+        self._networking = k8s.NetworkingV1Api(api)
         self._template = template
         self._slots = slots
         self._poll_s = poll_s
@@ -383,6 +403,9 @@ class KubernetesBackend:
         self._pool = ThreadPoolExecutor(max_workers=2 * slots + 4, thread_name_prefix="evalbus-k8s")
         self._session: aiohttp.ClientSession | None = None
         self._access = ApiAccess.from_configuration(api.configuration)
+        self._isolating: set[str] = set()
+        """Namespaces where the deny-all NetworkPolicy is known to exist."""
+        self._isolating_lock = asyncio.Lock()
 
     @property
     def template(self) -> JobTemplate:
@@ -453,6 +476,8 @@ class KubernetesBackend:
         manifest = job_manifest(job, run_id, name, self._template)  # refuses bad secret names first
         if self._check_fit:
             await self._refuse_unfit(job.harness.resources())
+        if job.harness.resources().network == "none":
+            await self._ensure_network_policy()
         await self._sweep(run_id)
         try:
             await self.call(
@@ -471,6 +496,32 @@ class KubernetesBackend:
 
     def _slot_freed(self) -> None:
         self._used -= 1
+
+    async def _ensure_network_policy(self) -> None:
+        """Create the deny-all NetworkPolicy once (one that exists is fine: another dispatcher, or an
+        earlier run of this one, made it). A case asking `network: none` never runs without it: a
+        cluster that refuses it (403: the dispatcher's Role lacks `networkpolicies` create) fails the
+        case as a config error; another failure is an orchestrator error, tried again."""
+        namespace = self._template.namespace
+        if namespace in self._isolating:
+            return
+        async with self._isolating_lock:  # cases provisioned together: one create
+            if namespace in self._isolating:
+                return
+            try:
+                await self.call(
+                    self._networking.create_namespaced_network_policy,
+                    namespace,
+                    network_none_policy(namespace),
+                    _content_type="application/json",
+                    _request_timeout=30,
+                )
+            except ApiException as e:
+                if e.status != 409:
+                    raise _api_error(f"cannot create the NetworkPolicy {NETWORK_NONE_POLICY}", e) from e
+            except OSError as e:
+                raise BackendError(f"cannot reach the Kubernetes API: {e}", code="orchestrator_unreachable") from e
+            self._isolating.add(namespace)
 
     async def _refuse_unfit(self, compute: ComputeSpec) -> None:
         try:

@@ -469,6 +469,15 @@ class LocalBackend:
 
     async def provision(self, job: CaseRequested) -> LocalSandbox:
         """A fresh workdir with the harness files written, secrets resolved; raises `BackendError`."""
+        if job.harness.resources().network == "none":
+            # A process shares the dispatcher's network: running the case would break its promise.
+            raise BackendError(
+                "the local backend cannot cut a case off the network (compute.network: none); "
+                "use the docker, kubernetes or nomad backend",
+                code="network_isolation_unsupported",
+                failure_class="config",
+                retryable=False,
+            )
         secret_env: dict[str, str] = {}
         for var, name in job.harness.secret_env.items():
             secret = self._secrets.get(name)

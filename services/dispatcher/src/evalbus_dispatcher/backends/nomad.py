@@ -2,9 +2,10 @@
 
 The job's one task runs the in-job runner (docs/backends.md) with the job spec in `EVALBUS_JOB`;
 `harness.compute` gives its image (`docker` driver), CPU (cores × `cpu_mhz_per_core` MHz), memory,
-GPUs (a `nvidia/gpu` device) and `${meta.<key>}` constraints; each `secret_env` entry becomes a
-template reading a Nomad Variable by name (`<variables_prefix>/<name>`, item `value`) into the
-task's environment — no value in the job. The run id is in the job's `Meta`.
+GPUs (a `nvidia/gpu` device), `${meta.<key>}` constraints and, for `network: none`, a group
+network in mode `none` (and the `docker` driver's `network_mode = "none"`); each `secret_env`
+entry becomes a template reading a Nomad Variable by name (`<variables_prefix>/<name>`, item
+`value`) into the task's environment — no value in the job. The run id is in the job's `Meta`.
 
 While the allocation comes up the sandbox polls the job's evaluations and allocations and marks the
 run's trace: `submitted`; `waiting` with `blocked: <the blocked evaluation's exhausted dimensions and
@@ -115,6 +116,8 @@ def nomad_job(job: CaseRequested, run_id: str, job_id: str, template: NomadTempl
     argv = [*template.runner_command, "--workdir", "${NOMAD_TASK_DIR}/work"]
     if template.driver == "docker":
         config: dict[str, Any] = {"image": compute.image or template.image, "command": argv[0], "args": argv[1:]}
+        if compute.network == "none":
+            config["network_mode"] = "none"
     else:
         config = {"command": argv[0], "args": argv[1:]}
     resources: dict[str, Any] = {
@@ -139,6 +142,17 @@ def nomad_job(job: CaseRequested, run_id: str, job_id: str, template: NomadTempl
         "KillTimeout": 5_000_000_000,
         "Meta": meta,
     }
+    group: dict[str, Any] = {
+        "Name": TASK,
+        "Count": 1,
+        "RestartPolicy": {"Attempts": 0, "Mode": "fail"},
+        "ReschedulePolicy": {"Attempts": 0, "Unlimited": False},
+        "Meta": {"evalbus_deadline_s": str(math.ceil(spec.timeout_s + checks_s + 120))},
+        "Tasks": [task],
+    }
+    if compute.network == "none":
+        # An isolated network namespace with no interface but loopback (the `network` block's `mode`).
+        group["Networks"] = [{"Mode": "none"}]
     return {
         "Job": {
             "ID": job_id,
@@ -151,16 +165,7 @@ def nomad_job(job: CaseRequested, run_id: str, job_id: str, template: NomadTempl
                 {"LTarget": f"${{meta.{key}}}", "RTarget": value, "Operand": "="}
                 for key, value in compute.node_selector.items()
             ],
-            "TaskGroups": [
-                {
-                    "Name": TASK,
-                    "Count": 1,
-                    "RestartPolicy": {"Attempts": 0, "Mode": "fail"},
-                    "ReschedulePolicy": {"Attempts": 0, "Unlimited": False},
-                    "Meta": {"evalbus_deadline_s": str(math.ceil(spec.timeout_s + checks_s + 120))},
-                    "Tasks": [task],
-                }
-            ],
+            "TaskGroups": [group],
         }
     }
 
