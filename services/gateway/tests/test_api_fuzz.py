@@ -313,18 +313,27 @@ PAGE = 1000
 
 def fan_out(gateway: ThreadedGateway, token: str, batch_id: str, body: Any) -> None:
     """Stand in for the dispatcher's fan-out of an accepted batch (`case.requested` per inline case)
-    and wait until the gateway shows its runs, so the links to its runs lead somewhere."""
+    and wait until the gateway shows its runs, so the links to its runs lead somewhere.
+
+    The batch may already have runs: a generated `Idempotency-Key` an earlier scenario sent gives
+    the same batch id again, so the wait is for this body's cases to be among the batch's, not
+    for the batch to hold exactly them."""
     script = BatchScript(batch_id, msgspec.convert(body, BatchSpec))
     for case in script.case_ids:
         gateway.run(gateway.gateway.state.publisher.publish_event(script.case_requested(case)))
+    wanted = set(script.case_ids)
     deadline = time.monotonic() + 30
     while True:
         cases = requests.get(
             f"{gateway.base_url}/v1/batches/{batch_id}/cases?limit={PAGE}", headers=_auth(token), timeout=30
         )
-        if cases.status_code == 200 and len(cases.json()["cases"]) == min(PAGE, len(script.case_ids)):
+        listed = {c["case_id"] for c in cases.json()["cases"]} if cases.status_code == 200 else set()
+        if wanted <= listed or len(listed) >= PAGE:
             return
-        assert time.monotonic() < deadline, f"runs of {batch_id} recorded"
+        assert time.monotonic() < deadline, (
+            f"runs of {batch_id} recorded: GET …/cases answered {cases.status_code}, "
+            f"listing {sorted(listed)[:10]} ({len(listed)}), waiting for {sorted(wanted - listed)[:10]}"
+        )
         time.sleep(0.02)  # polling an observable condition with a deadline
 
 
