@@ -6,9 +6,11 @@ import asyncio
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
+from nats.js.errors import NotFoundError
 
 from evalbus.infra.nats import NatsServer
 from evalbus.testing.bus import make_consumer, request
@@ -25,6 +27,7 @@ from evalbus_runtime import (
     connect,
     load_settings,
 )
+from evalbus_runtime.bus import existing_stream
 from evalbus_runtime.secrets import MissingSecretError, env_name
 
 
@@ -141,3 +144,36 @@ async def test_traceparent_is_carried_from_input_to_outputs(fresh_nats: NatsServ
     finally:
         await nc.close()
         await service.stop()
+
+
+class _CountingJetStream:
+    """The real JetStream context, telling the test each time `stream_info` answered "not found"."""
+
+    def __init__(self, js: Any) -> None:
+        self._js = js
+        self.missed = asyncio.Event()
+
+    async def stream_info(self, name: str) -> Any:
+        try:
+            return await self._js.stream_info(name)
+        except NotFoundError:
+            self.missed.set()
+            raise
+
+
+async def test_a_stream_reported_missing_for_a_moment_is_asked_for_again(fresh_nats: NatsServer) -> None:
+    nc = await connect(fresh_nats.url, "settle-test")
+    try:
+        js = nc.jetstream()
+        name = f"LATE{uuid.uuid4().hex[:8].upper()}"
+        counting = _CountingJetStream(js)
+        waiting = asyncio.create_task(existing_stream(counting, name, settle_s=30))  # type: ignore[arg-type]
+        await counting.missed.wait()  # it asked once and heard "not found"
+        await js.add_stream(name=name, subjects=[f"{name.lower()}.>"])
+        info = await waiting
+        assert info.config.name == name
+
+        with pytest.raises(NotFoundError):  # a stream that never comes: the error stands after settle_s
+            await existing_stream(js, f"{name}X", settle_s=0.2)
+    finally:
+        await nc.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 
@@ -109,9 +110,32 @@ async def ensure_stream(js: JetStreamContext, stream: StreamDef, replicas: int =
     try:
         await js.add_stream(config)
     except BadRequestError:
-        current = await js.stream_info(stream.name)
+        current = await existing_stream(js, stream.name)
         config.num_replicas = max(replicas, int(current.config.num_replicas or 1))
         await js.update_stream(config)
+
+
+SETTLE_S = 10.0
+"""How long a stream that exists may still be reported "not found" (see `existing_stream`)."""
+
+
+async def existing_stream(js: JetStreamContext, name: str, *, settle_s: float = SETTLE_S) -> jsapi.StreamInfo:
+    """The info of stream `name`, which exists: another process refused our `add_stream` with a
+    different definition. On a cluster it may be created by then but not yet placed (its group
+    still forming), and JetStream answers "stream not found" meanwhile — a dispatcher starting
+    beside the services of a fresh 3-node cluster once died of that. Asked again, with a growing
+    pause, for up to `settle_s`; then the `NotFoundError` stands."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + settle_s
+    pause = 0.05
+    while True:
+        try:
+            return await js.stream_info(name)
+        except NotFoundError:
+            if loop.time() + pause > deadline:
+                raise
+            await asyncio.sleep(pause)  # the cluster's own placement: nothing here to wait on instead
+            pause = min(pause * 2, 1.0)
 
 
 async def ensure_consumer(js: JetStreamContext, consumer: ConsumerDef) -> None:
