@@ -89,6 +89,19 @@ def test_queued_behind_busy_slots_says_how_many_are_ahead() -> None:
     assert view.used is None
 
 
+def test_queued_while_the_dispatchers_cluster_has_no_room_says_so() -> None:
+    view = place(
+        status_="queued",
+        requested=Requested(attempt=1, asked=Asked(), ahead=0),
+        statuses=[status("d-k8s", 0, ())],
+    )
+    assert view.phase == "queued"
+    assert view.reason == (
+        "waiting for room in the cluster: 0 ahead of it; the 1 dispatcher(s) serving lane default offer no slot now "
+        "(their cluster has no room for another case)"
+    )
+
+
 def test_queued_with_free_slots_and_a_retry_attempt() -> None:
     view = place(
         status_="running",

@@ -4,7 +4,7 @@ It answers the endpoints the dispatcher's Nomad backend uses, as the Nomad HTTP 
 them: `POST /v1/jobs` (the JSON job; every object checked against its documented field names — an
 unknown field, a wrong `Type`, a task without `Driver`/`Resources` is a 400 *and* a recorded
 violation), `GET /v1/job/:id/allocations`, `GET /v1/job/:id/evaluations`, `DELETE /v1/job/:id`,
-`GET /v1/nodes`, `GET /v1/client/fs/logs/:alloc` and the alloc exec WebSocket
+`GET /v1/nodes`, `GET /v1/allocations` (with `resources`), `GET /v1/client/fs/logs/:alloc` and the alloc exec WebSocket
 `/v1/client/allocation/:alloc/exec` (JSON frames: `stdin`/`tty_size` in, `stdout`/`stderr`/`exited`
 out). A request that does not match is recorded in `violations`, so a test can assert none happened.
 
@@ -224,6 +224,7 @@ class FakeNomad:
         app.router.add_get("/v1/job/{id}/evaluations", self._evaluations)
         app.router.add_delete("/v1/job/{id}", self._deregister)
         app.router.add_get("/v1/nodes", self._nodes)
+        app.router.add_get("/v1/allocations", self._list_allocations)
         app.router.add_get("/v1/node/{id}", self._node)
         app.router.add_get("/v1/client/fs/logs/{alloc}", self._logs)
         app.router.add_get("/v1/client/allocation/{alloc}/exec", self._exec)
@@ -409,6 +410,27 @@ class FakeNomad:
         if job_id not in self.jobs:
             return web.Response(status=404, text="job not found")
         return web.json_response([a.stub() for a in self.allocs.values() if a.job["ID"] == job_id])
+
+    async def _list_allocations(self, request: web.Request) -> web.StreamResponse:
+        """`GET /v1/allocations` (every allocation's stub); with `resources=true` each carries its
+        `AllocatedResources` (`Tasks.<task>.Cpu.CpuShares`, `.Memory.MemoryMB`, and `Shared`)."""
+        allowed = {"prefix", "next_token", "per_page", "filter", "resources", "task_states", "namespace", "region"}
+        unknown = sorted(set(request.query) - allowed)
+        if unknown:
+            return self._refuse(400, f"GET /v1/allocations: unknown parameter(s) {unknown}")
+        stubs = [a.stub() for a in self.allocs.values()]
+        if _flag(request.query.get("resources")):
+            for alloc, stub in zip(self.allocs.values(), stubs, strict=True):
+                res = alloc.spec["Resources"]
+                stub["AllocatedResources"] = {
+                    "Tasks": {alloc.spec["Name"]: {"Cpu": {"CpuShares": res.get("CPU", 100)},
+                                                   "Memory": {"MemoryMB": res.get("MemoryMB", 300)}}},
+                    "Shared": {"DiskMB": 0, "Networks": None, "Ports": None},
+                }  # fmt: skip
+        if request.query.get("task_states") == "false":
+            for stub in stubs:
+                stub.pop("TaskStates")
+        return web.json_response(stubs)
 
     async def _evaluations(self, request: web.Request) -> web.StreamResponse:
         job_id = request.match_info["id"]

@@ -9,6 +9,7 @@ from evalbus_runtime.publisher import PubAck, Publisher
 from evalbus_runtime.secrets import MissingSecretError, SecretStore, SecretValue
 from evalbus_runtime.service import Service, run_service
 from evalbus_runtime.settings import ServiceSettings, SettingsError, load_settings
+from evalbus_runtime.slots import SlotPool
 
 __all__ = [
     "ConsumerLoop",
@@ -27,6 +28,7 @@ __all__ = [
     "ServiceMetrics",
     "ServiceSettings",
     "SettingsError",
+    "SlotPool",
     "Stage",
     "connect",
     "ensure_topology",

@@ -37,6 +37,7 @@ from evalbus_runtime.faults import NO_FAULTS, FaultPoint, Faults
 from evalbus_runtime.logs import batch_id_var, run_id_var
 from evalbus_runtime.metrics import ServiceMetrics
 from evalbus_runtime.publisher import Publisher
+from evalbus_runtime.slots import SlotPool
 from evalbus_runtime.tracing import message_span
 
 log = logging.getLogger("evalbus.consumer")
@@ -65,6 +66,9 @@ class Stage:
     """Longest retry delay."""
     pull_expires_s: float = 10.0
     """Lifetime of one pull request."""
+    pool: SlotPool | None = None
+    """Slots shared with other stages of this replica (`slots.py`): a message is handled only once
+    it holds one of them as well as one of this stage's `concurrency` (None: `concurrency` alone)."""
 
 
 @dataclass
@@ -138,6 +142,8 @@ class ConsumerLoop:
         self._consumer = stage.consumer
         self._label = stage.consumer.durable
         self._free = stage.concurrency
+        self._pool = stage.pool
+        self._waiting: set[asyncio.Task[None]] = set()
         self._requests: dict[str, _Request] = {}
         self._req_ids = 0
         self._inbox = nc.new_inbox()
@@ -164,12 +170,16 @@ class ConsumerLoop:
             max_deliveries_advisory(self._consumer), queue=f"{self._service}-advisories", cb=self._on_advisory
         )
         self._ticker = asyncio.create_task(self._tick(), name=f"tick-{self._label}")
+        if self._pool is not None:
+            self._pool.on_change(self._schedule_refill)
         self._schedule_refill()
 
     async def stop(self, timeout_s: float) -> bool:
         """Stop pulling, let in-flight work finish within `timeout_s`; True when it all finished."""
         self._stopping = True
         finished = True
+        for task in list(self._waiting):
+            task.cancel()  # waiting for a shared slot: back to the stream for another replica
         if self._tasks:
             try:
                 await asyncio.wait_for(self._idle.wait(), timeout_s)
@@ -215,7 +225,8 @@ class ConsumerLoop:
         if self._stopping or self._sub is None or not self._nc.is_connected:
             return
         outstanding = sum(r.remaining for r in self._requests.values())
-        credit = self._free - outstanding
+        free = self._free if self._pool is None else min(self._free, self._pool.available())
+        credit = free - outstanding
         if credit <= 0:
             return
         self._req_ids += 1
@@ -263,6 +274,10 @@ class ConsumerLoop:
         self._slots_gauge.set(self._free)
         self._schedule_refill()
 
+    def _release_pooled(self, pool: SlotPool) -> None:
+        self._release()
+        pool.give_back()  # tells every stage sharing it (this one included) to pull again
+
     async def _tick(self) -> None:
         period = max(0.2, min(1.0, self._consumer.ack_wait_s / 4))
         beat_after = self._consumer.ack_wait_s / 3
@@ -281,7 +296,33 @@ class ConsumerLoop:
 
     # ------------------------------------------------------------ handling
 
+    async def _take_pooled(self, msg: Msg, pool: SlotPool) -> bool:
+        """Take a shared slot for `msg`, waiting (kept in progress) when the other stages hold them
+        all; False when the wait was cancelled (stopping): the message is back on the stream."""
+        if pool.try_take():
+            return True
+        task = asyncio.current_task()
+        assert task is not None
+        self._waiting.add(task)
+        self._beat[id(msg)] = (msg, time.monotonic())
+        try:
+            await pool.take()
+        except asyncio.CancelledError:
+            self._beat.pop(id(msg), None)
+            with contextlib.suppress(Exception):
+                await msg.nak()
+            self._release()
+            if not self._stopping:
+                raise
+            return False
+        finally:
+            self._waiting.discard(task)
+        return True
+
     async def _handle(self, msg: Msg) -> None:
+        pool = self._pool
+        if pool is not None and not await self._take_pooled(msg, pool):
+            return
         started = time.monotonic()
         self._beat[id(msg)] = (msg, started)
         self._in_flight_gauge.inc()
@@ -293,7 +334,7 @@ class ConsumerLoop:
             num_delivered=num_delivered,
             stream_seq=stream_seq,
             _msg=msg,
-            _on_release=self._release,
+            _on_release=self._release if pool is None else lambda: self._release_pooled(pool),
             stored_ns=stored_ns(msg.reply),
         )
         outcome = "ack"

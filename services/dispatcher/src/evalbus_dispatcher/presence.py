@@ -63,6 +63,12 @@ class Presence:
         self._kv: KeyValue | None = None
         self._task: asyncio.Task[None] | None = None
 
+    def resize(self, slots: int) -> None:
+        """The replica now offers `slots` (its pool was sized from the cluster's room)."""
+        if slots != self._slots:
+            self._slots = slots
+            self._changed.set()
+
     def hold(self, run_id: str) -> None:
         """`run_id` took a slot."""
         self._runs[run_id] += 1

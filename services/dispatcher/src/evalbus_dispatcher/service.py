@@ -53,6 +53,7 @@ from evalbus_dispatcher.backends.kubernetes import JobTemplate, KubernetesBacken
 from evalbus_dispatcher.backends.local import LocalBackend, sweep_orphans
 from evalbus_dispatcher.backends.nomad import NomadBackend, NomadTemplate, connect_nomad
 from evalbus_dispatcher.cancellation import cancelled_execution
+from evalbus_dispatcher.capacity import ROOM_INTERVAL_S, ClusterRoom
 from evalbus_dispatcher.control import LiveControls
 from evalbus_dispatcher.execute import Queued, execute_case, run_id_of
 from evalbus_dispatcher.fanout import fan_out_batch
@@ -68,6 +69,7 @@ from evalbus_runtime import (
     SecretStore,
     Service,
     ServiceSettings,
+    SlotPool,
     Stage,
 )
 from evalbus_traces import build_source, collect_trace
@@ -77,14 +79,24 @@ log = logging.getLogger("evalbus.dispatcher")
 
 CancelReason = Literal["cancelled", "superseded"]
 
+CLUSTER_SLOTS = 64
+"""The most cases a replica holds on a cluster backend unless `DISPATCHER_SLOTS` says otherwise (its
+pool follows the cluster's room below that)."""
+
 
 class DispatcherSettings(ServiceSettings):
     """Settings of the dispatcher (`DISPATCHER_<KEY>`, then `<KEY>`)."""
 
     SECRET_FIELDS: ClassVar[frozenset[str]] = ServiceSettings.SECRET_FIELDS | {"nomad_token"}
 
-    slots: int = os.cpu_count() or 2
-    """Compute slots: sandboxes at once on this replica."""
+    slots: int | None = None
+    """Compute slots: sandboxes at once on this replica, whichever lanes they come from (unset: the
+    CPU count on the local backend, `CLUSTER_SLOTS` on a cluster one); on a cluster backend the most
+    it holds, the pool following the cluster's room (`capacity.py`)."""
+    slots_from_room: bool = True
+    """On a cluster backend, size the slots from the cluster's room (False: always `slots`)."""
+    room_interval_s: float = ROOM_INTERVAL_S
+    """Seconds between two reads of the cluster's room."""
     retry_backoff_s: float = 1.0
     """Delay before attempt n+1 of a run: n × this."""
     workdir_root: str | None = None
@@ -148,10 +160,18 @@ class DispatcherSettings(ServiceSettings):
     serves the default lane, so a GPU box or a laptop joining for its own lane does only its cases."""
 
     def __post_init__(self) -> None:
+        if self.slots is not None and self.slots < 1:
+            raise ValueError(f"DISPATCHER_SLOTS: at least 1, not {self.slots}")
         for lane in self.served_lanes():
             problem = lane_problem(lane)
             if problem is not None:
                 raise ValueError(f"DISPATCHER_LANES: {lane!r}: {problem}")
+
+    def slot_count(self) -> int:
+        """`slots`, or its default for the backend."""
+        if self.slots is not None:
+            return self.slots
+        return (os.cpu_count() or 2) if self.backend == "local" else CLUSTER_SLOTS
 
     def served_lanes(self) -> tuple[str, ...]:
         """`lanes` as a list, in order, without repeats (empty: the default lane)."""
@@ -384,7 +404,7 @@ def kubernetes_backend(settings: DispatcherSettings) -> KubernetesBackend:
         template,
         kubeconfig=settings.kubeconfig,
         context=settings.kube_context,
-        slots=settings.slots,
+        slots=settings.slot_count(),
         poll_s=settings.cluster_poll_s,
     )
 
@@ -402,7 +422,7 @@ def nomad_backend(settings: DispatcherSettings) -> NomadBackend:
         template,
         address=settings.nomad_addr,
         token_value=settings.nomad_token,
-        slots=settings.slots,
+        slots=settings.slot_count(),
         poll_s=settings.cluster_poll_s,
     )
 
@@ -416,7 +436,7 @@ def docker_backend(settings: DispatcherSettings, secrets: SecretStore) -> Docker
         secrets,
         host=settings.docker_host,
         api_version=settings.docker_api_version,
-        slots=settings.slots,
+        slots=settings.slot_count(),
         tls_verify=settings.docker_tls_verify,
         tls=settings.docker_tls,
         cert_path=Path(settings.docker_cert_path).expanduser() if settings.docker_cert_path else None,
@@ -434,7 +454,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
     """Add the fan-out and execution stages to `service`."""
     secrets = SecretStore()
     backend = LocalBackend(
-        slots=settings.slots,
+        slots=settings.slot_count(),
         root=None if settings.workdir_root is None else Path(settings.workdir_root),
         secrets=secrets,
     )
@@ -448,11 +468,18 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
     puller = PlatformTracePuller(secrets)
     cancels = Cancellations(settings.cancellations)
     lanes = settings.served_lanes()
+    most = settings.slot_count()
+    pool = SlotPool(most, name="compute slots")
     presence = Presence(
         settings.replica_id or default_replica_id(),
-        slots=settings.slots * len(lanes),
+        slots=most,
         interval_s=settings.status_interval_s,
         lanes=lanes,
+    )
+    room = (
+        ClusterRoom(cluster, pool, most=most, interval_s=settings.room_interval_s, on_size=presence.resize)
+        if cluster is not None and settings.slots_from_room
+        else None
     )
     controls = LiveControls(ping_s=settings.terminal_ping_s)
     screens = ScreenSessions()
@@ -463,6 +490,8 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
             log.warning("removed %d sandboxes left by a dispatcher that died", len(swept))
         await puller.start()
         await cancels.start(svc.js)
+        if room is not None:
+            await room.start()
         await presence.start(svc.js)
         controls.bind(svc.nc)
         await screens.start()
@@ -470,6 +499,8 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
     async def stop(_: Service) -> None:
         await controls.close()
         await screens.close()
+        if room is not None:
+            await room.stop()
         await presence.stop()
         await puller.close()
         await backend.close()  # the warm workers
@@ -543,5 +574,5 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         )
     for lane in lanes:
         service.add_stage(
-            Stage(consumer=lane_consumer(lane), handler=on_case, accepts=(CaseRequested,), concurrency=settings.slots)
+            Stage(consumer=lane_consumer(lane), handler=on_case, accepts=(CaseRequested,), concurrency=most, pool=pool)
         )

@@ -337,10 +337,12 @@ class NomadBackend:
         """(name, CPU MHz, memory MiB) each node offers (its resources less what is reserved)."""
         return [(name, cpu, mem) for _, name, cpu, mem in await self._nodes()]
 
-    async def _nodes(self) -> list[tuple[str, str, int, int]]:
+    async def _nodes(self, *, schedulable: bool = False) -> list[tuple[str, str, int, int]]:
         nodes = await self.call(self._client.nodes.get_nodes, resources=True)
         out = []
         for node in nodes:
+            if schedulable and not _schedulable(node):
+                continue
             res, reserved = node.get("NodeResources") or {}, node.get("ReservedResources") or {}
             cpu = int((res.get("Cpu") or {}).get("CpuShares") or 0) - int(
                 (reserved.get("Cpu") or {}).get("CpuShares") or 0
@@ -350,6 +352,16 @@ class NomadBackend:
             )
             out.append((node.get("ID") or "", node.get("Name") or node.get("ID") or "?", cpu, mem))
         return out
+
+    async def room(self, compute: ComputeSpec | None = None) -> int:
+        """How many more cases of this size (default: the default compute) fit in the cluster now:
+        each eligible node's resources less what is reserved and what its pending and running
+        allocations were given (`GET /v1/allocations?resources=true`), ignoring node selectors."""
+        size = compute or ComputeSpec()
+        cpu = max(1, int(size.cpu * self._template.cpu_mhz_per_core))
+        nodes = await self._nodes(schedulable=True)
+        allocs = await self.call(self._client.allocations.get_allocations, resources=True)
+        return nomad_room(nodes, allocs, cpu_mhz=cpu, memory_mb=size.memory_mb)
 
     async def provision(self, job: CaseRequested) -> NomadSandbox:
         """Register the case's batch job; `BackendError` (config, not retryable) when no node
@@ -401,6 +413,43 @@ class NomadBackend:
             return
         except nomad.api.exceptions.BaseNomadException as e:
             raise _nomad_error(f"cannot deregister job {job_id}", e) from e
+
+
+def _schedulable(node: dict[str, Any]) -> bool:
+    """Whether Nomad may place new work on the node: ready, eligible, not draining."""
+    return (
+        node.get("Status") == "ready" and node.get("SchedulingEligibility", "eligible") == "eligible"
+        and not node.get("Drain")
+    )  # fmt: skip
+
+
+_HOLDING = frozenset({"pending", "running"})
+"""Client statuses of an allocation that holds its node's resources."""
+
+
+def nomad_room(
+    nodes: Sequence[tuple[str, str, int, int]], allocs: Sequence[dict[str, Any]], *, cpu_mhz: int, memory_mb: int
+) -> int:
+    """How many more tasks of `cpu_mhz` and `memory_mb` fit on `nodes` ((id, name, CPU MHz, memory
+    MiB) offered) given `allocs` (allocation stubs with `AllocatedResources`) (pure)."""
+    used: dict[str, list[int]] = {}
+    for alloc in allocs:
+        if alloc.get("ClientStatus") not in _HOLDING:
+            continue
+        resources = alloc.get("AllocatedResources") or {}
+        tasks = list((resources.get("Tasks") or {}).values())
+        cpu = sum(int((t.get("Cpu") or {}).get("CpuShares") or 0) for t in tasks)
+        mem = sum(int((t.get("Memory") or {}).get("MemoryMB") or 0) for t in tasks)
+        shared = resources.get("Shared") or {}
+        mem += int(shared.get("MemoryMB") or 0)
+        held = used.setdefault(str(alloc.get("NodeID") or ""), [0, 0])
+        held[0] += cpu
+        held[1] += mem
+    total = 0
+    for node_id, _, cpu, mem in nodes:
+        held_cpu, held_mem = used.get(node_id, (0, 0))
+        total += max(0, min((cpu - held_cpu) // cpu_mhz, (mem - held_mem) // max(1, memory_mb)))
+    return total
 
 
 def _nomad_error(what: str, e: Any) -> BackendError:

@@ -127,7 +127,12 @@ def _queued(
     prefix = f"attempt {requested.attempt}: " if requested is not None and requested.attempt > 1 else ""
     if not statuses:
         return "blocked", prefix + unserved(lane, alive, gone), queue
-    if used >= slots:
+    if slots == 0:
+        reason = (
+            f"{prefix}waiting for room in the cluster: {_ahead(ahead)}; the {len(statuses)} dispatcher(s) serving "
+            f"lane {lane} offer no slot now (their cluster has no room for another case)"
+        )
+    elif used >= slots:
         reason = (
             f"{prefix}waiting for a compute slot: {_ahead(ahead)}; all {slots} slot(s) of "
             f"{len(statuses)} dispatcher(s) are busy ({_slots(statuses)})"
