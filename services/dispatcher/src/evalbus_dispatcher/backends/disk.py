@@ -135,15 +135,22 @@ class DiskWatch:
 
     @contextlib.asynccontextmanager
     async def watching(self) -> AsyncIterator[None]:
-        """Read now, then every `interval_s` until the block ends."""
+        """Read now, then every `interval_s` until the block ends (a timer, not a task: a case
+        served by a warm worker in a millisecond pays one `statvfs` and nothing else)."""
         self.read()
-        task = asyncio.create_task(self._every_interval())
+        loop = asyncio.get_running_loop()
+        timer: asyncio.TimerHandle | None = None
+
+        def tick() -> None:
+            nonlocal timer
+            self.read()
+            timer = loop.call_later(self._interval_s, tick)
+
+        timer = loop.call_later(self._interval_s, tick)
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            timer.cancel()
 
     def on_output(self, inner: OnOutput) -> OnOutput:
         """`inner`, with a reading taken before a line reporting a full disk is passed on."""
@@ -156,11 +163,6 @@ class DiskWatch:
             await inner(stream, line)
 
         return seen
-
-    async def _every_interval(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval_s)
-            self.read()
 
 
 def is_no_space(error: BaseException) -> bool:
