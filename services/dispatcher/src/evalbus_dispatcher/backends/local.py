@@ -644,10 +644,19 @@ class LocalSandbox:
 
     async def run_harness(self, on_output: OnOutput, on_spawn: OnSpawn | None = None) -> HarnessRun:
         """Run the harness command with the case input; a spawn failure is reported, not raised.
-        `on_spawn(pid)` is awaited once the process exists, before its output is read."""
+        `on_spawn(pid)` is awaited once the process exists, before its output is read. The
+        workdir's disk is watched while it runs, and the run judged for it at exit."""
         self._check_live()
-        if self._workers is not None:
-            return self._judged_for_disk(await self._run_on_worker(self._workers, on_output, on_spawn))
+        watch = disk.DiskWatch(self.workdir)
+        async with watch.watching():
+            if self._workers is not None:
+                ran = await self._run_on_worker(self._workers, watch.on_output(on_output), on_spawn)
+            else:
+                ran = await self._run_command(watch.on_output(on_output), on_spawn)
+        return self._judged_for_disk(ran, watch.history())
+
+    async def _run_command(self, on_output: OnOutput, on_spawn: OnSpawn | None) -> HarnessRun:
+        """The harness command run in the workdir, in its own process group."""
         argv = self._job.harness.command
         if not argv:
             return HarnessRun(exit_code=None, stdout="", stderr="", spawn_error="the harness command is empty")
@@ -680,7 +689,7 @@ class LocalSandbox:
                 exit_code=None, stdout="", stderr="", spawn_error=self._redact(f"cannot start {argv[0]!r}: {e}")
             )
         oom = procfs.oom_verdict(exited.signal, timed_out=exited.timed_out, before=oom_before, after=procfs.oom_kills())
-        ran = HarnessRun(
+        return HarnessRun(
             exit_code=exited.exit_code,
             stdout=exited.stdout.text(),
             stderr=exited.stderr.text(),
@@ -692,12 +701,12 @@ class LocalSandbox:
             oom=oom,
             pid=self._pgid,
         )
-        return self._judged_for_disk(ran)
 
-    def _judged_for_disk(self, ran: HarnessRun) -> HarnessRun:
-        """`ran`, failed `disk_full` when it failed on a full workdir disk (read before release)."""
-        full = disk.disk_full_failure(ran, self.workdir)
-        return ran if full is None else dataclasses.replace(ran, failure=full)
+    def _judged_for_disk(self, ran: HarnessRun, history: disk.DiskHistory) -> HarnessRun:
+        """`ran`, failed `disk_full` when it failed on a full workdir disk (read before release), or
+        its failure saying why not when it reported one (`disk.disk_verdict`)."""
+        judged = disk.disk_full_failure(ran, self.workdir, history)
+        return ran if judged is None else dataclasses.replace(ran, failure=judged)
 
     async def _run_on_worker(self, workers: WorkerPool, on_output: OnOutput, on_spawn: OnSpawn | None) -> HarnessRun:
         """The case served by a warm worker (`harness.kind: worker`) in this workdir."""
