@@ -27,8 +27,8 @@ from evalbus_dispatcher.backends.nomad import NomadTemplate, connect_nomad, noma
 from evalbus_dispatcher.capacity import ClusterRoom, HasRoom
 from evalbus_dispatcher.execute import MarkFn
 from evalbus_dispatcher.screen import Declared
-from evalbus_dispatcher.service import CLUSTER_SLOTS, DispatcherSettings
-from evalbus_runtime import SlotPool
+from evalbus_dispatcher.service import CLUSTER_SLOTS, DispatcherSettings, build_dispatcher
+from evalbus_runtime import Service, SlotPool
 from evalbus_runtime.secrets import SecretStore
 from evalbus_runtime.settings import load_settings
 
@@ -211,3 +211,17 @@ async def test_a_running_case_takes_its_room_and_gives_it_back_when_released(clu
         return bool(await cluster.room() == 2)
 
     await eventually(given_back, timeout_s=30, what="the released case's room back")
+
+
+def test_a_replica_serving_two_lanes_shares_one_pool_of_its_slots() -> None:
+    settings = load_settings(
+        DispatcherSettings, "dispatcher", {"DISPATCHER_LANES": "default,gpu", "DISPATCHER_SLOTS": "1"}
+    )
+    service = Service(settings)
+    build_dispatcher(service, settings)
+    lanes = [s for s in service._stages if s.consumer.durable.startswith("dispatcher-cases")]
+    assert [s.consumer.durable for s in lanes] == ["dispatcher-cases", "dispatcher-cases-gpu"]
+    pools = {id(s.pool) for s in lanes}
+    assert len(pools) == 1
+    assert lanes[0].pool is not None
+    assert lanes[0].pool.size == 1
