@@ -190,8 +190,20 @@ def reports_no_space(run: HarnessRun) -> bool:
 
 
 def disk_full_failure(run: HarnessRun, workdir: Path, history: DiskHistory | None = None) -> RunFailure | None:
-    """`disk_verdict` of `run` with the workdir's filesystem read now (at exit, before release)."""
+    """`disk_verdict` of `run` with the workdir's filesystem read now (at exit, before release) —
+    read only for a run that failed on its own terms (a succeeded run pays nothing)."""
+    if not _judged(run):
+        return None
     return disk_verdict(run, disk_space(workdir), history or DiskHistory())
+
+
+def _judged(run: HarnessRun) -> bool:
+    """Whether `disk_verdict` looks at the disk for `run` at all."""
+    if run.spawn_error is not None or run.timed_out or run.oom is True:
+        return False
+    if run.failure is not None and run.failure.code == DISK_FULL:
+        return False
+    return run.exit_code not in (0, None) or (run.failure is not None and run.failure.code == "harness_error")
 
 
 def disk_verdict(run: HarnessRun, now: DiskSpace | None, history: DiskHistory) -> RunFailure | None:
@@ -211,13 +223,9 @@ def disk_verdict(run: HarnessRun, now: DiskSpace | None, history: DiskHistory) -
     filesystem, or just printed the words): its failure stands, its message saying what the disk
     had, so nobody waits for a retry that is not coming.
     """
-    if run.spawn_error is not None or run.timed_out or run.oom is True:
-        return None
-    if run.failure is not None and run.failure.code == DISK_FULL:
+    if not _judged(run):
         return None
     exited = run.exit_code not in (0, None)
-    if not exited and (run.failure is None or run.failure.code != "harness_error"):
-        return None
     how = f"exited with {run.exit_code}" if exited else "raised"
     said = reports_no_space(run)
     if now is None:
