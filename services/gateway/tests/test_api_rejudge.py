@@ -288,6 +288,15 @@ async def test_rejudge_with_the_same_idempotency_key_is_the_same_batch(
     events = await recorded_events(gateway, first[1]["batch_id"], 2)
     assert len(events) == 2  # the retry's events were dropped as duplicates
 
+    judges = {"judges": [to_builtins(ContainsJudge(id="contains"))]}
+    status, body = await post(gateway, script.batch_id, ALICE, judges, headers=key)
+    assert (status, error_of(body)) == (409, ("idempotency_key_reused", "Idempotency-Key"))
+    assert first[1]["batch_id"] in body["error"]["message"]
+    info = await gateway.state.js.stream_info("CASES", subjects_filter=f"case.*.{first[1]['batch_id']}.>")
+    assert sum((info.state.subjects or {}).values()) == 1  # its one run; nothing of the refused request
+    requested = [e for e in await recorded_events(gateway, first[1]["batch_id"], 2) if isinstance(e, BatchRequested)]
+    assert [r.spec.judges for r in requested] == [script.spec.judges]
+
 
 def error_of(body: Any) -> tuple[str, str | None]:
     error = msgspec.convert(body, ErrorBody).error

@@ -106,6 +106,10 @@ class BatchRequested(_Event, frozen=True, kw_only=True, tag="batch.requested"):
     rejudge_of: str | None = None
     """Set for a re-judge: the batch whose `case.executed` events are replayed to the judges
     (the dispatcher executes nothing for it)."""
+    request_digest: str | None = None
+    """Set when the request carried an `Idempotency-Key`: the SHA-256 (hex) of its normalised spec,
+    which a later request with the same key must match to get this batch back (else it is refused
+    as a reused key). None on other requests, and on events written before the field existed."""
 
     def subject(self) -> str:
         return s.batch_subject(s.BATCH_REQUESTED, _req(self.batch_id, "batch id"))

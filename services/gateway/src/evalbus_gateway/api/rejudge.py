@@ -13,14 +13,15 @@ The gateway mints a new batch id and publishes
 
 The judge, the exporter and the recorder then handle the new batch like any other, and it is
 finalized when every replayed run is exported. Only a finalized batch can be re-judged (409
-otherwise); whoever may see the old batch (its creator, or an admin) may re-judge it.
+otherwise); whoever may see the old batch (its creator, or an admin) may re-judge it. With an
+`Idempotency-Key`, a retry gets the same new batch and the key with other judges a 409
+(`api.idempotency`).
 
 `rejudge_events` is the pure part: old events in, new events out.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import secrets
 from collections.abc import Sequence
@@ -41,8 +42,15 @@ from evalbus_contracts import (
     encode,
     expected_runs,
 )
-from evalbus_contracts.events import EventBase
 from evalbus_gateway.api.errors import ApiError, not_found
+from evalbus_gateway.api.idempotency import (
+    claim_batch,
+    duplicate_window,
+    idempotency_key,
+    key_param,
+    keyed_batch_id,
+    spec_digest,
+)
 from evalbus_gateway.api.reads import finalized_on_stream, find_batch, requested_on_stream
 from evalbus_gateway.api.table import Body, Call, Param, Route
 from evalbus_gateway.api.validation import check_batch_spec, parse_json, path_id, read_body
@@ -50,8 +58,6 @@ from evalbus_gateway.store import get_batch_spec
 from evalbus_gateway.store.connections import snapshot
 
 log = logging.getLogger("evalbus.gateway.api")
-
-_IDEMPOTENCY_KEY_MAX = 200
 
 
 class RejudgeRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -167,21 +173,29 @@ async def stored_runs(call: Call, batch_id: str) -> list[CaseExecuted | CaseColl
     return out
 
 
-def _new_batch_id(call: Call, old_batch_id: str) -> str:
-    """A fresh id; with an `Idempotency-Key`, the same one for the same caller, batch and key, so a
-    retried request republishes the same events (deduplicated by JetStream)."""
-    key = call.request.headers.get("Idempotency-Key")
+def _new_batch_id(call: Call, old_batch_id: str, key: str | None) -> str:
+    """A fresh id; with an `Idempotency-Key`, the same one for the same caller, batch and key."""
     if key is None:
         return "b" + secrets.token_hex(6)
-    if not key or len(key) > _IDEMPOTENCY_KEY_MAX or not key.isprintable():
-        raise ApiError(
-            400,
-            "invalid",
-            f"Idempotency-Key must be 1 to {_IDEMPOTENCY_KEY_MAX} printable characters",
-            "Idempotency-Key",
-        )
-    digest = hashlib.sha256(f"{call.user.name}\0rejudge\0{old_batch_id}\0{key}".encode()).hexdigest()
-    return "b" + digest[:12]
+    return keyed_batch_id(call.user.name, "rejudge", old_batch_id, key)
+
+
+async def _publish(call: Call, requested: BatchRequested, cases: list[CaseExecuted], keyed: bool) -> bool:
+    """Publish the new batch; whether this request created it (False for a keyed retry).
+
+    Without a key the id is fresh and everything goes out at once. With one, `batch.requested`
+    claims the id first (`claim_batch`: a retry or the 409 of a reused key), and only then are the
+    runs published — so a request that lost the id publishes none of its own runs into another
+    request's batch. A retry republishes the runs while JetStream still drops them as duplicates,
+    completing a first attempt that stopped after its claim; later it publishes nothing."""
+    publisher = call.state.publisher
+    if not keyed:
+        await publisher.publish_events([requested, *cases])
+        return True
+    claim = await claim_batch(call.state, requested)
+    if claim.published or claim.deduplicated(await duplicate_window(call.state)):  # a new batch reads no window
+        await publisher.publish_events(cases)
+    return claim.published
 
 
 async def rejudge_batch(call: Call) -> web.StreamResponse:
@@ -203,7 +217,8 @@ async def rejudge_batch(call: Call) -> web.StreamResponse:
             raise ApiError(409, "conflict", f"batch {old_id} has no recorded spec to re-judge", "batch_id")
         spec = requested.spec
     check_batch_spec(rejudge_spec(spec, wanted.judges))
-    new_id = _new_batch_id(call, old_id)
+    key = idempotency_key(request)
+    new_id = _new_batch_id(call, old_id, key)
     try:
         requested_event, cases = rejudge_events(
             old_batch_id=old_id,
@@ -215,9 +230,10 @@ async def rejudge_batch(call: Call) -> web.StreamResponse:
         )
     except RejudgeError as e:
         raise ApiError(409, "conflict", f"batch {old_id} cannot be re-judged: {e}", "batch_id") from None
-    events: list[EventBase] = [requested_event, *cases]
-    await state.publisher.publish_events(events)
-    log.info("batch %s re-judges %s for %s (%d runs)", new_id, old_id, call.user.name, len(cases))
+    if key is not None:
+        requested_event = msgspec.structs.replace(requested_event, request_digest=spec_digest(requested_event.spec))
+    if await _publish(call, requested_event, cases, keyed=key is not None):
+        log.info("batch %s re-judges %s for %s (%d runs)", new_id, old_id, call.user.name, len(cases))
     base = f"/v1/batches/{new_id}"
     accepted = BatchAccepted(
         batch_id=new_id,
@@ -237,21 +253,21 @@ ROUTE = Route(
     "`case.executed` events replayed from the event store with new run ids; the dispatcher executes nothing. "
     "`judges` replaces the old judges (default: the same). The new batch is judged, exported and finalized like "
     "any other. Allowed to the old batch's creator and admins; 409 while the old batch is not finalized. An "
-    "`Idempotency-Key` header makes a retried request return the same new batch.",
+    "`Idempotency-Key` header makes a retried request return the same new batch; the same key with other "
+    "judges is a 409 `idempotency_key_reused`.",
     params=(
         Param("batch_id", "path", "The batch to re-judge", {"type": "string", "minLength": 1, "maxLength": 256}, True),
-        Param(
-            "Idempotency-Key",
-            "header",
-            "Same key, same principal, same batch → same new batch id",
-            {"type": "string", "maxLength": _IDEMPOTENCY_KEY_MAX},
-        ),
+        key_param("Same key, same principal, same batch → same new batch id"),
     ),
     request=Body("Optional: the judges of the new batch", RejudgeRequest),
     request_required=False,
     responses={
         202: Body("Accepted: the new batch was published", BatchAccepted),
-        409: Body("The batch is not finalized, or its runs cannot be replayed (`error.field` = `batch_id`)", ErrorBody),
+        409: Body(
+            "The batch is not finalized, or its runs cannot be replayed (`error.field` = `batch_id`); or the "
+            "`Idempotency-Key` was used with other judges (`error.field` = `Idempotency-Key`)",
+            ErrorBody,
+        ),
     },
 )
 """The route, added to the gateway's table in `api.routes`."""

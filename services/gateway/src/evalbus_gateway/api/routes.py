@@ -8,7 +8,6 @@ batches they submitted — another member's batch is answered 404, exactly like 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import secrets
 from datetime import datetime
@@ -39,6 +38,14 @@ from evalbus_gateway.api.compare import ROUTES as COMPARE_ROUTES
 from evalbus_gateway.api.datasets import ROUTES as DATASET_ROUTES
 from evalbus_gateway.api.datasets import with_dataset_index
 from evalbus_gateway.api.errors import ApiError, error_middleware
+from evalbus_gateway.api.idempotency import (
+    KEY_REUSED,
+    claim_batch,
+    idempotency_key,
+    key_param,
+    keyed_batch_id,
+    spec_digest,
+)
 from evalbus_gateway.api.live import ROUTES as LIVE_ROUTES
 from evalbus_gateway.api.live import live_trace_link
 from evalbus_gateway.api.mcp import ROUTES as MCP_ROUTES
@@ -80,7 +87,6 @@ log = logging.getLogger("evalbus.gateway.api")
 
 STAGES = ("requested", "executed", "collected", "judged", "exported")
 """Values of the `stage` filter on a batch's cases."""
-_IDEMPOTENCY_KEY_MAX = 200
 
 
 # ---------------------------------------------------------------- helpers
@@ -98,28 +104,14 @@ def new_batch_id() -> str:
 
 def idempotent_batch_id(principal: str, key: str) -> str:
     """The batch id of a submission with an `Idempotency-Key`: the same principal and key give the
-    same id, so a retried POST publishes the same `batch.requested` (deduplicated by JetStream)."""
-    return "b" + hashlib.sha256(f"{principal}\0{key}".encode()).hexdigest()[:12]
+    same id (see `api.idempotency` for what a retry with the key gets)."""
+    return keyed_batch_id(principal, key)
 
 
 def links(batch_id: str) -> BatchLinks:
     """Where to follow a batch."""
     base = f"/v1/batches/{batch_id}"
     return BatchLinks(self_=base, cases=f"{base}/cases", events=f"{base}/events", cancel=f"{base}/cancel")
-
-
-def _idempotency_key(request: web.Request) -> str | None:
-    key = request.headers.get("Idempotency-Key")
-    if key is None:
-        return None
-    if not key or len(key) > _IDEMPOTENCY_KEY_MAX or not key.isprintable():
-        raise ApiError(
-            400,
-            "invalid",
-            f"Idempotency-Key must be 1 to {_IDEMPOTENCY_KEY_MAX} printable characters",
-            "Idempotency-Key",
-        )
-    return key
 
 
 async def _supersede(call: Call, spec: BatchSpec, new_id: str) -> tuple[str, ...]:
@@ -150,9 +142,10 @@ async def submit_batch(call: Call) -> web.StreamResponse:
     spec = await read_json(call.request, BatchSpec, state.settings.max_request_bytes)
     check_batch_spec(spec)
     spec = msgspec.structs.replace(spec, suite=await with_dataset_index(call, spec.suite))
-    key = _idempotency_key(call.request)
+    key = idempotency_key(call.request)
     batch_id = idempotent_batch_id(call.user.name, key) if key else new_batch_id()
-    event = BatchRequested(batch_id=batch_id, spec=spec, submitted_by=call.user.name)
+    digest = spec_digest(spec) if key else None
+    event = BatchRequested(batch_id=batch_id, spec=spec, submitted_by=call.user.name, request_digest=digest)
     size = len(encode(event))
     max_payload = int(getattr(state.nc, "max_payload", 0) or 0)
     if max_payload and size > max_payload:
@@ -163,9 +156,15 @@ async def submit_batch(call: Call) -> web.StreamResponse:
             "(POST /v1/datasets) and name them in suite.dataset_ref",
             "$.suite.cases",
         )
-    await state.publisher.publish_event(event)
+    if key is None:
+        await state.publisher.publish_event(event)
+        published = True
+    else:
+        published = (await claim_batch(state, event)).published
+    if published:
+        log.info("batch %s requested by %s (%d cases)", batch_id, call.user.name, suite_case_count(spec.suite))
+    # A retry supersedes again too: its first attempt may have stopped between publishing and that.
     superseded = await _supersede(call, spec, batch_id)
-    log.info("batch %s requested by %s (%d cases)", batch_id, call.user.name, suite_case_count(spec.suite))
     body = BatchAccepted(batch_id=batch_id, links=links(batch_id), superseded=superseded)
     return json_response(body, status=202, headers={"Location": body.links.self_})
 
@@ -338,22 +337,17 @@ ROUTES: tuple[Route, ...] = (
         submit_batch,
         description="Validates the spec and publishes `batch.requested`. With a `supersede_key`, every open batch "
         "with the same key (yours; any, for an admin) is cancelled as superseded by the new one. An "
-        "`Idempotency-Key` header makes a retried submission return the same batch id.",
-        params=(
-            Param(
-                "Idempotency-Key",
-                "header",
-                "Same key, same principal → same batch id",
-                {"type": "string", "maxLength": _IDEMPOTENCY_KEY_MAX},
-            ),
-        ),
+        "`Idempotency-Key` header makes a retried submission return the same batch id, publishing nothing "
+        "new; the same key with a different spec is a 409 `idempotency_key_reused`.",
+        params=(key_param("Same key, same principal → same batch id"),),
         request=Body("The batch", BatchSpec),
         responses={
             202: Body(
                 "Accepted: published as `batch.requested`",
                 BatchAccepted,
                 links=_batch_links("$response.body#/batch_id"),
-            )
+            ),
+            409: KEY_REUSED,
         },
     ),
     Route(

@@ -21,6 +21,7 @@ from evalbus_api.views import (
 )
 from evalbus_contracts import (
     BatchError,
+    BatchRequested,
     BatchSpec,
     BatchSummary,
     CaseFailure,
@@ -123,6 +124,17 @@ async def get_batch_spec(db: Database, batch_id: str) -> BatchSpec | None:
     async with acquire(db) as conn:
         spec = await conn.fetchval("SELECT spec::text FROM batches WHERE batch_id = $1", batch_id)
     return None if spec is None else decode(str(spec), BatchSpec)
+
+
+async def get_batch_request(db: Database, batch_id: str) -> BatchRequested | None:
+    """The batch's recorded `batch.requested` (the first one the stream held: the store keeps one
+    per batch); None when none is recorded."""
+    async with acquire(db) as conn:
+        body = await conn.fetchval("SELECT body::text FROM events WHERE dedupe_key = $1", f"batch.requested:{batch_id}")
+    if body is None:
+        return None
+    event = decode_event(str(body).encode("utf-8"))
+    return event if isinstance(event, BatchRequested) else None
 
 
 async def get_harness_trace(db: Database, batch_id: str) -> TraceSpec | None:
