@@ -440,9 +440,12 @@ async def read_tar_entry(reader: asyncio.StreamReader | aiohttp.StreamReader) ->
         if header == bytes(TAR_BLOCK):
             return None
         stored = sum(header[:148]) + 8 * 32 + sum(header[156:])
-        if _tar_number(header[148:156]) != stored:
+        try:
+            checksum, size = _tar_number(header[148:156]), _tar_number(header[124:136])
+        except ValueError:
+            checksum = size = -1
+        if checksum != stored or size < 0:
             raise ValueError("not a tar header (its checksum does not match)")
-        size = _tar_number(header[124:136])
         flag = header[156:157]
         if flag in (b"x", b"g", b"L"):
             data = (await reader.readexactly(-(-size // TAR_BLOCK) * TAR_BLOCK))[:size]
