@@ -775,13 +775,14 @@ class KubernetesSandbox:
         job_log = self._log = JobLog(on_output, spawned)
         lines = LineSplitter()
         await self._follow(job_log, lines, spec.timeout_s + sum(c.timeout_s for c in spec.checks) + spec.hold_s + 120.0)
+        followed_to_hold = job_log.holding is not None
+        final = self._placement if followed_to_hold else await self._settled()
+        if not followed_to_hold:
+            await self._catch_up(job_log, lines)
+        self._running = False
         if job_log.holding is not None:  # the runner reported everything and keeps the pod for its files
             self._held = job_log.holding
-            self._running = False
             return job_log.harness_run(UnitEnd(exit_code=None), time.monotonic() - ran_from)
-        final = await self._settled()
-        await self._catch_up(job_log, lines)
-        self._running = False
         end = UnitEnd(
             exit_code=final.exit_code,
             reason=final.reason,
@@ -942,9 +943,11 @@ class KubernetesSandbox:
             raise FileUnreadable(f"the pod cannot be read: {e.message}") from e
         frames = exec_frames(ws, FILE_IDLE_S)
         stderr = bytearray()
+        handed = False
         try:
             async for channel, data in frames:  # until the first bytes, or the runner's refusal
                 if channel == STDOUT and data:
+                    handed = True
                     return _file_blocks(data, frames, max_bytes)
                 if channel == STDERR:
                     stderr.extend(data[:4096])
@@ -954,8 +957,12 @@ class KubernetesSandbox:
                         return _no_blocks()  # an empty file
                     raise _refusal(code, stderr.decode("utf-8", errors="replace"), max_bytes)
         except TimeoutError as e:
-            await frames.aclose()
             raise FileUnreadable(f"the pod sent nothing for {FILE_IDLE_S:g}s") from e
+        except aiohttp.ClientError as e:
+            raise FileUnreadable(f"the exec connection failed: {e}") from e
+        finally:
+            if not handed:
+                await frames.aclose()  # the connection with it
         raise FileUnreadable("the exec ended without the runner's status")
 
     async def _release_hold(self) -> None:
@@ -1026,6 +1033,8 @@ async def _file_blocks(
                 code = exit_code(data)
     except TimeoutError as e:
         raise BackendError(f"the pod sent nothing for {FILE_IDLE_S:g}s", code="file_read_failed") from e
+    except aiohttp.ClientError as e:
+        raise BackendError(f"the exec connection failed: {e}", code="file_read_failed") from e
     finally:
         await frames.aclose()
     if code != 0:
