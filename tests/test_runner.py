@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -15,9 +16,13 @@ import pytest
 from evalbus_contracts.runner import (
     JOB_ENV,
     RECORD_PREFIX,
+    SEND_MISSING,
+    SEND_NOT_A_FILE,
+    SEND_TOO_LARGE,
     Done,
     ExecDone,
     Exited,
+    Holding,
     Record,
     RunnerCheck,
     RunnerJob,
@@ -195,6 +200,78 @@ async def test_a_live_exec_runs_in_the_workdir_with_the_jobs_secrets_masked(tmp_
     assert proc.returncode == 4
     assert out.decode().splitlines() == ["in the workdir", "token=[redacted]"]
     assert err.decode().splitlines() == ["oops [redacted]"]
+
+
+DECLARING = """
+import json
+open("report.txt", "w").write("the report")
+print("EVALBUS_EVENT " + json.dumps({"kind": "artifact", "name": "report", "ref": "report.txt"}))
+print("EVALBUS_EVENT " + json.dumps({"kind": "artifact", "name": "done", "ref": "x", "sha256": "0" * 64}))
+print('EVALBUS_RESULT {"answer": "ok"}')
+"""
+
+
+async def test_the_runner_holds_the_job_for_declared_files_until_told(tmp_path: Path) -> None:
+    spec = job(files={"harness.py": DECLARING}, checks=(), hold_s=120.0)
+    env = {"PATH": os.environ["PATH"], JOB_ENV: msgspec.json.encode(spec).decode()}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "evalbus.runner", "--workdir", str(tmp_path / "work"), env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    seen: list[Record] = []
+    async with asyncio.timeout(60):
+        while not any(isinstance(r, Holding) for r in seen):
+            line = (await proc.stdout.readline()).decode().rstrip("\n")
+            assert line, "the runner ended without holding"
+            seen += records([line])
+    holding = next(r for r in seen if isinstance(r, Holding))
+    assert holding.files == ("report.txt",)  # a stored artifact (with its sha256) is no declaration
+    assert holding.timeout_s == 120.0
+    assert holding.pid == proc.pid
+    assert not any(isinstance(r, Done) for r in seen)
+    assert proc.returncode is None, "the runner ended while holding"  # the file can still be read from the job
+    os.kill(holding.pid, signal.SIGUSR1)
+    async with asyncio.timeout(30):
+        rest, _ = await proc.communicate()
+        assert await proc.wait() == 0
+    assert isinstance(records(rest.decode().splitlines())[-1], Done)
+
+
+async def test_the_runner_holds_only_for_declarations_and_no_longer_than_told(tmp_path: Path) -> None:
+    _, lines, _ = await run_runner(job(checks=(), hold_s=120.0), tmp_path / "a")  # declares nothing
+    assert not any(isinstance(r, Holding) for r in records(lines))
+    _, lines, _ = await run_runner(job(files={"harness.py": DECLARING}, checks=(), hold_s=0.0), tmp_path / "b")
+    assert not any(isinstance(r, Holding) for r in records(lines))  # 0: never (the default)
+    _, lines, _ = await run_runner(job(files={"harness.py": DECLARING}, checks=(), hold_s=0.2), tmp_path / "c")
+    kinds = [type(r).__name__ for r in records(lines)]
+    assert kinds[-2:] == ["Holding", "Done"]  # the hold ran out on its own
+
+
+async def test_send_file_writes_the_bytes_or_says_why_not(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    (work / "out").mkdir(parents=True)
+    data = bytes(range(256)) * 9000
+    (work / "out" / "a.bin").write_bytes(data)
+    (tmp_path / "outside.txt").write_text("not yours")
+    (work / "link.txt").symlink_to(tmp_path / "outside.txt")
+
+    async def send(rel: str, max_bytes: int = 10**9) -> tuple[int | None, bytes, str]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "evalbus.runner", "--workdir", str(work), "--send-file", rel,
+            "--max-bytes", str(max_bytes), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await proc.communicate()
+        return proc.returncode, out, err.decode()
+
+    assert await send("out/a.bin") == (0, data, "")
+    for rel, code in (("out/none.bin", SEND_MISSING), ("out", SEND_NOT_A_FILE), ("link.txt", SEND_NOT_A_FILE),
+                      ("../outside.txt", SEND_NOT_A_FILE)):  # fmt: skip
+        got, out, err = await send(rel)
+        assert (got, out) == (code, b""), rel
+        assert rel in err
+    got, out, err = await send("out/a.bin", max_bytes=1000)
+    assert (got, out, err.strip()) == (SEND_TOO_LARGE, b"", f"size={len(data)}")
 
 
 @pytest.mark.unit

@@ -16,13 +16,15 @@
   answers (`just test-backends-live-docker`); skipped, saying why, otherwise.
 
 Scenarios that need an orchestrator (images, memory limits, scheduling) run on the cluster
-backends only; the local backend has none of these.
+backends only; the local backend has none of these. Declared artifact files are stored in the
+object store of a real nats-server on every backend.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import re
 import sys
@@ -35,22 +37,27 @@ import pytest
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
+from evalbus.infra.nats import NatsServer
 from evalbus.testing.fake_docker import FakeDocker
 from evalbus.testing.fake_kubernetes import DEFAULT_IMAGE, FakeKubernetes
 from evalbus.testing.fake_nomad import FakeNomad
 from evalbus.testing.pipeline import eventually
 from evalbus_contracts import (
+    Artifact,
     CasePlan,
     CaseRequested,
     CaseSpec,
     CommandHarness,
     ComputeSpec,
+    Error,
     Infra,
     Measured,
+    ObjectRef,
     TestsPassGrader,
     batch_run_id,
 )
 from evalbus_dispatcher import LocalBackend, execute_case
+from evalbus_dispatcher.artifacts import RunObjects
 from evalbus_dispatcher.backends.base import Backend, Interactive, Observed, SandboxHandle
 from evalbus_dispatcher.backends.docker import DockerTemplate, connect_docker
 from evalbus_dispatcher.backends.docker_engine import DEFAULT_HOST, DockerEngine, EngineError, parse_host
@@ -59,6 +66,8 @@ from evalbus_dispatcher.backends.nomad import NomadTemplate, connect_nomad
 from evalbus_dispatcher.execute import MarkFn
 from evalbus_dispatcher.screen import Declared
 from evalbus_dispatcher.service import DispatcherSettings, docker_backend, kubernetes_backend, nomad_backend
+from evalbus_runtime import connect, ensure_topology
+from evalbus_runtime.objects import get_object
 from evalbus_runtime.secrets import SecretStore
 from evalbus_runtime.settings import SettingsError, load_settings
 
@@ -293,6 +302,7 @@ async def run(
     records: list[LiveRecord],
     *,
     during: Callable[[SandboxHandle, MarkFn], Coroutine[Any, Any, None]] | None = None,
+    objects: RunObjects | None = None,
 ) -> Any:
     async def on_sandbox(handle: SandboxHandle, mark: MarkFn, _declared: Declared) -> Any:
         target.handles.append(handle)
@@ -308,7 +318,7 @@ async def run(
 
     return await execute_case(
         req, target.backend, live=_RecordingLive(records), on_release=lambda: None, on_sandbox=on_sandbox,
-        sample_interval_s=0.5,
+        sample_interval_s=0.5, objects=objects,
     )  # fmt: skip
 
 
@@ -454,6 +464,110 @@ async def test_network_none_cuts_the_case_off_or_is_refused(target: Target, make
         created = [r for r in target.fake.requests if r[0] == "POST" and r[1].endswith("/networkpolicies")]
         assert created == [("POST", "/apis/networking.k8s.io/v1/namespaces/evalbus/networkpolicies")]  # once
     assert target.gone is None or await target.gone()
+
+
+FILING_HARNESS = """
+import json, os
+os.makedirs("out/deep", exist_ok=True)
+open("out/report.html", "w").write("<h1>report</h1>\\n")
+open("out/big.bin", "wb").write(bytes(range(256)) * 6144)  # 1.5 MiB: several blocks on every path
+open("out/huge.bin", "wb").write(b"x" * (3 * 1024 * 1024))  # over the cap the test sets
+open("empty.txt", "w").close()
+open("../outside.txt", "w").write("next to the workdir")
+os.symlink("../outside.txt", "link.txt")
+for name, ref in [("report", "out/report.html"), ("big", "./out//big.bin"), ("empty", "empty.txt"),
+                  ("huge", "out/huge.bin"), ("gone", "out/missing.html"), ("folder", "out/deep"),
+                  ("link", "link.txt"), ("escape", "../outside.txt")]:
+    print("EVALBUS_EVENT " + json.dumps({"kind": "artifact", "name": name, "ref": ref}), flush=True)
+print('EVALBUS_RESULT {"answer": "filed"}')
+"""
+FILED = {
+    "report": ("out/report.html", b"<h1>report</h1>\n"),
+    "big": ("out/big.bin", bytes(range(256)) * 6144),
+    "empty": ("empty.txt", b""),
+}
+REFUSED = {
+    "huge": "more than the 2097152 bytes a declared file may have",
+    "gone": "no such file in the workdir",
+    "folder": "not a regular file inside the workdir",
+    "link": "not a regular file inside the workdir",
+    "escape": "the path must be relative, stay inside the workdir",
+}
+
+
+@pytest.fixture
+async def run_objects(nats_server: NatsServer) -> AsyncIterator[RunObjects]:
+    """The `artifacts` bucket of the session's nats-server, files capped at 2 MiB."""
+    nc = await connect(nats_server.url, "behaviour-artifacts")
+    await ensure_topology(nc.jetstream())
+    yield RunObjects(nc.jetstream(), max_file_bytes=2 * 1024 * 1024)
+    await nc.close()
+
+
+async def test_declared_files_are_stored_from_the_sandbox(
+    target: Target, make: Callable[..., CaseRequested], run_objects: RunObjects
+) -> None:
+    req = make(FILING_HARNESS)
+    done = await run(target, req, [], objects=run_objects)
+    assert done.status == "succeeded", done.result.failure
+    assert done.result.answer == "filed"
+    trace = done.result.trace
+    stored = {e.name: e for e in trace if isinstance(e, Artifact) and e.sha256 is not None}
+    assert sorted(stored) == sorted(FILED)
+    for name, (path, data) in FILED.items():
+        event = stored[name]
+        assert event.sha256 is not None
+        assert event.ref == f"artifacts/runs/{req.run_id}/a1/files/{path}"
+        assert (event.size, event.sha256) == (len(data), hashlib.sha256(data).hexdigest())
+        ref = ObjectRef(bucket="artifacts", name=event.ref.partition("/")[2], size=len(data), sha256=event.sha256)
+        assert await get_object(run_objects.js, ref) == data
+    errors = [e.message for e in trace if isinstance(e, Error)]
+    for name, reason in REFUSED.items():
+        said = [m for m in errors if m.startswith(f"artifact {name!r} ")]
+        assert len(said) == 1, (name, errors)
+        assert reason in said[0], said[0]
+    kept = [e.name for e in trace if isinstance(e, Artifact) and e.sha256 is None]
+    assert sorted(kept) == sorted(REFUSED)  # the declarations not honoured stay as they were
+    if target.docker is not None:  # the stopped container's archive, one per path the rules let through
+        paths = [p for _, p in target.docker.archives]
+        assert len(paths) == 7  # every path the rules let through
+        assert "/evalbus/work/out/big.bin" in paths
+    if target.nomad is not None:  # stat, then cat for one block, readat by offset for more
+        reads = target.nomad.fs_requests
+        assert ("stat", "case/local/work/out/big.bin") in reads
+        assert ("cat", "case/local/work/out/report.html") in reads
+        assert [p for kind, p in reads if kind == "readat"] == ["case/local/work/out/big.bin"] * 2
+    if target.fake is not None:  # the runner held the pod: each file an exec of it, then the hold ended
+        sends = [c for c in target.fake.exec_commands if "--send-file" in c]
+        assert len(sends) == 7  # every path the rules let through
+        ended = [c for c in target.fake.exec_commands if c[:2] == ["/bin/sh", "-c"] and c[2].startswith("kill -USR1 ")]
+        assert len(ended) == 1
+    assert target.gone is None or await target.gone()
+
+
+async def test_declared_files_are_not_collected_from_an_unheld_pod(
+    make: Callable[..., CaseRequested], run_objects: RunObjects
+) -> None:
+    async with FakeKubernetes() as fake:
+        fake.add_node("node-a", cpu=2, memory="2Gi")
+        config = k8s.Configuration()
+        config.host = fake.url
+        template = JobTemplate(namespace="evalbus", image=DEFAULT_IMAGE, runner_command=(sys.executable, "-m",
+                               "evalbus.runner"), start_timeout_s=60.0, artifact_hold_s=0)  # fmt: skip
+        backend = KubernetesBackend(k8s.ApiClient(config), template, poll_s=0.05)
+        target = Target("kubernetes", backend, cluster=True, fake=fake)
+        try:
+            done = await run(target, make(FILING_HARNESS), [], objects=run_objects)
+        finally:
+            await backend.close()
+        assert done.status == "succeeded", done.result.failure
+        errors = [e.message for e in done.result.trace if isinstance(e, Error) and "'report'" in e.message]
+        assert errors == [
+            "artifact 'report' (out/report.html) not stored: the pod ended before its files could be read: the "
+            "Job's artifact hold is off (artifact_hold_s 0)"
+        ]
+        assert fake.exec_commands == []
+        assert fake.violations == []
 
 
 # ---------------------------------------------------------------- orchestrator scenarios

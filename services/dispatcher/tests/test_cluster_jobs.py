@@ -1,5 +1,6 @@
 """The cluster backends' pure parts: the Job / job they submit, names and labels, secret references,
-reading a blocked evaluation; and the network block the fake Nomad agent takes."""
+reading a blocked evaluation; and what the fake Nomad agent takes: the network block, the
+allocation filesystem's requests."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 
 from evalbus.testing.fake_nomad import FakeNomad
+from evalbus.testing.pipeline import eventually
 from evalbus_contracts import CasePlan, CaseRequested, CaseSpec, CommandHarness, ComputeSpec, TestsPassGrader
 from evalbus_dispatcher.backends.job_spec import label_value
 from evalbus_dispatcher.backends.kubernetes import (
@@ -174,3 +176,60 @@ async def test_the_fake_nomad_agent_takes_the_documented_network_block_only() ->
         async with session.post(f"{agent.url}/v1/jobs", json=job_with({"Mode": "none"})) as answer:
             assert answer.status == 200, await answer.text()
         assert agent.registered[-1]["TaskGroups"][0]["Networks"] == [{"Mode": "none"}]
+
+
+def test_the_job_tells_the_runner_to_hold_for_declared_files_and_its_deadline_counts_it() -> None:
+    held = job_manifest(request(), "evb-b1-c1", "evb-b1-c1-a1-abcdef", JobTemplate(namespace="ns", image="img:1"))
+    unheld = job_manifest(
+        request(), "evb-b1-c1", "evb-b1-c1-a1-abcdef", JobTemplate(namespace="ns", image="img:1", artifact_hold_s=0)
+    )
+
+    def spec(manifest: dict[str, Any]) -> dict[str, Any]:
+        env = manifest["spec"]["template"]["spec"]["containers"][0]["env"]
+        return dict(json.loads(next(e["value"] for e in env if e["name"] == "EVALBUS_JOB")))
+
+    assert spec(held)["hold_s"] == 120.0
+    assert spec(unheld)["hold_s"] == 0.0
+    assert held["spec"]["activeDeadlineSeconds"] == unheld["spec"]["activeDeadlineSeconds"] + 120
+    nomad = nomad_job(request(), "evb-b1-c1", "j-1", NomadTemplate(image="img:1"))
+    assert json.loads(nomad["Job"]["TaskGroups"][0]["Tasks"][0]["Env"]["EVALBUS_JOB"])["hold_s"] == 0.0  # fs API
+
+
+async def test_the_fake_nomad_agent_serves_the_allocation_filesystem_as_documented() -> None:
+    """`fs/stat` answers `AllocFileInfo`, `fs/cat` and `fs/readat` raw bytes, once the task ended."""
+    template = NomadTemplate(image="evalbus/case:test", driver="raw_exec", runner_command=("/bin/sh", "-c"))
+    body = nomad_job(request(), "evb-b1-c1", "fs-1", template)
+    task = body["Job"]["TaskGroups"][0]["Tasks"][0]
+    task["Templates"] = []  # no secrets to wait for
+    task["Config"] = {"command": "/bin/sh", "args": ["-c", "mkdir -p ${NOMAD_TASK_DIR}/work && printf 0123456789 > "
+                                                     "${NOMAD_TASK_DIR}/work/note.txt"]}  # fmt: skip
+    async with FakeNomad() as agent, aiohttp.ClientSession() as session:
+        agent.add_node("node-a")
+        async with session.post(f"{agent.url}/v1/jobs", json=body) as answer:
+            assert answer.status == 200, await answer.text()
+        await eventually(lambda: any(a.state == "dead" for a in agent.allocs.values()), timeout_s=30,
+                         what="the task to end")  # fmt: skip
+        [alloc] = agent.allocs
+        fs = f"{agent.url}/v1/client/fs"
+        async with session.get(f"{fs}/stat/{alloc}", params={"path": "case/local/work/note.txt"}) as answer:
+            info = await answer.json()
+        assert {k: info[k] for k in ("Name", "IsDir", "Size")} == {"Name": "note.txt", "IsDir": False, "Size": 10}
+        assert re.fullmatch(r"-rw-[-r][-w]-[-r]--", info["FileMode"]), info  # Go's FileMode.String(), umask's bits
+        async with session.get(f"{fs}/cat/{alloc}", params={"path": "case/local/work/note.txt"}) as answer:
+            assert await answer.read() == b"0123456789"
+        params = {"path": "case/local/work/note.txt", "offset": "3", "limit": "4"}
+        async with session.get(f"{fs}/readat/{alloc}", params=params) as answer:
+            assert await answer.read() == b"3456"
+        async with session.get(f"{fs}/ls/{alloc}", params={"path": "case/local/work"}) as answer:
+            assert [e["Name"] for e in await answer.json()] == ["note.txt"]
+        async with session.get(f"{fs}/stat/{alloc}", params={"path": "case/local/work/none"}) as answer:
+            assert answer.status == 500
+            assert "no such file or directory" in await answer.text()
+        async with session.get(f"{fs}/stat/{alloc}", params={"path": "../../etc/passwd"}) as answer:
+            assert (answer.status, await answer.text()) == (500, "Path escapes the alloc directory")
+        assert agent.violations == []
+        for path, query in (("stat", {}), ("readat", {"path": "case/local/work/note.txt"}), ("cat", {"path": "x",
+                            "follow": "true"})):  # fmt: skip
+            async with session.get(f"{fs}/{path}/{alloc}", params=query) as answer:
+                assert answer.status == 400
+        assert len(agent.violations) == 3, agent.violations

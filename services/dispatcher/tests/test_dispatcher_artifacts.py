@@ -109,7 +109,7 @@ async def test_declared_files_are_stored_and_their_events_rewritten(stock_bus: N
 
     elsewhere = await objects.store_declared(events[:1], object(), run_id=run_id, attempt=1, t=0.0)
     assert isinstance(elsewhere[1], Error)
-    assert "no workdir" in elsewhere[1].message
+    assert "no files the dispatcher can read" in elsewhere[1].message
 
 
 @pytest.mark.integration

@@ -1,14 +1,18 @@
 """The Docker backend's own parts: the create request, the stream framing, `DOCKER_HOST`, reading a
-container; and, against the protocol-level fake engine, what the behaviour suite does not look at:
-a terminal resize the program sees, a secret the store lacks, secret values kept out of logs and marks."""
+container, an archive's tar stream and path stat; and, against the protocol-level fake engine, what
+the behaviour suite does not look at: a terminal resize the program sees, a secret the store lacks,
+secret values kept out of logs and marks, a container's archive as the Engine API documents it."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
+import io
 import json
 import logging
 import sys
+import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +34,15 @@ from evalbus_dispatcher.backends.docker_container import (
     read_container,
     read_stats,
 )
-from evalbus_dispatcher.backends.docker_engine import DockerEngine, EngineError, FrameSplitter, frame, parse_host
+from evalbus_dispatcher.backends.docker_engine import (
+    DockerEngine,
+    EngineError,
+    FrameSplitter,
+    frame,
+    parse_host,
+    path_stat,
+    read_tar_entry,
+)
 from evalbus_dispatcher.errors import BackendError
 from evalbus_runtime.secrets import SecretStore
 
@@ -248,6 +260,87 @@ async def test_the_fake_engine_refuses_what_the_engine_api_does_not_document() -
             await client.close()
         assert len(engine.violations) == 2, engine.violations
         assert not engine.containers
+
+
+def _tar(name: str, data: bytes, tar_format: int, kind: bytes = tarfile.REGTYPE) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tar_format) as tar:
+        info = tarfile.TarInfo(name)
+        info.type, info.size = kind, len(data) if kind == tarfile.REGTYPE else 0
+        tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+    return out.getvalue()
+
+
+async def _entry(archive: bytes) -> tuple[Any, bytes]:
+    reader = asyncio.StreamReader()
+    reader.feed_data(archive)
+    reader.feed_eof()
+    entry = await read_tar_entry(reader)
+    return entry, await reader.readexactly(entry.size) if entry is not None else b""
+
+
+@pytest.mark.unit
+async def test_an_archives_member_is_read_through_pax_and_gnu_long_names() -> None:
+    long = "deep/" * 30 + "report.html"  # over the 100 bytes of a plain header's name
+    for tar_format in (tarfile.USTAR_FORMAT, tarfile.PAX_FORMAT, tarfile.GNU_FORMAT):
+        name = "report.html" if tar_format == tarfile.USTAR_FORMAT else long
+        entry, data = await _entry(_tar(name, b"<h1>hi</h1>" * 100, tar_format))
+        assert (entry.name, entry.size, entry.regular, data) == (name, 1100, True, b"<h1>hi</h1>" * 100), tar_format
+    link, _ = await _entry(_tar("link.txt", b"", tarfile.PAX_FORMAT, kind=tarfile.SYMTYPE))
+    assert link.regular is False
+    empty, _ = await _entry(bytes(1024))
+    assert empty is None
+    with pytest.raises(ValueError, match="checksum"):
+        await _entry(b"not a tar header".ljust(512, b"x"))
+
+
+@pytest.mark.unit
+def test_the_path_stat_header_tells_a_regular_file() -> None:
+    def header(mode: int) -> str:
+        return base64.b64encode(json.dumps({"name": "a", "size": 5, "mode": mode, "linkTarget": ""}).encode()).decode()
+
+    assert path_stat(header(0o644)) is not None
+    assert path_stat(header(0o644)).regular  # type: ignore[union-attr]
+    assert not path_stat(header((1 << 31) | 0o755)).regular  # type: ignore[union-attr]  # a folder
+    assert not path_stat(header((1 << 27) | 0o777)).regular  # type: ignore[union-attr]  # a link
+    assert path_stat("not base64 json") is None
+    assert path_stat(None) is None
+
+
+@pytest.mark.integration
+async def test_the_fake_engine_serves_a_containers_archive_as_documented(tmp_path: Path) -> None:
+    async with FakeDocker() as engine:
+        client = DockerEngine(parse_host(engine.host))
+        try:
+            engine.pulled.add(DEFAULT_IMAGE)
+            body = {"Image": DEFAULT_IMAGE, "WorkingDir": "/evalbus", "Cmd": ["sh", "-c", "echo hi > note.txt"]}
+            made = await client.call("POST", "/containers/create", body=body)
+            await client.call("POST", f"/containers/{made['Id']}/start")
+            await client.call("POST", f"/containers/{made['Id']}/wait")  # exited: its files are still there
+            answer = await client.open_stream("GET", f"/containers/{made['Id']}/archive",
+                                              params={"path": "/evalbus/note.txt"})  # fmt: skip
+            try:
+                assert answer.content_type == "application/x-tar"
+                stat = path_stat(answer.headers.get("X-Docker-Container-Path-Stat"))
+                assert stat is not None
+                assert (stat.name, stat.size, stat.regular) == ("note.txt", 3, True)
+                with tarfile.open(fileobj=io.BytesIO(await answer.read())) as tar:
+                    member = tar.extractfile("note.txt")
+                    assert member is not None
+                    assert member.read() == b"hi\n"
+            finally:
+                answer.close()
+            with pytest.raises(EngineError) as missing:
+                await client.open_stream("GET", f"/containers/{made['Id']}/archive", params={"path": "/evalbus/no"})
+            assert missing.value.status == 404
+            assert engine.violations == []
+            with pytest.raises(EngineError) as relative:
+                await client.open_stream("GET", f"/containers/{made['Id']}/archive", params={"path": "note.txt"})
+            assert relative.value.status == 400
+            await client.call("DELETE", f"/containers/{made['Id']}")
+        finally:
+            await client.close()
+        assert len(engine.violations) == 1, engine.violations
 
 
 @pytest.mark.integration

@@ -7,7 +7,8 @@ in `EVALBUS_JOB` or a `--job` file; the runner writes the harness files into its
 harness (input on stdin and in `EVALBUS_INPUT_FILE`, killed past its timeout), tees its output to
 the job log as record lines (`evalbus_contracts.runner`), runs the compute graders' commands in the
 same workdir, records the workdir's git changes, and exits — the job ends at the last instruction
-that needs it.
+that needs it. When the job spec asks (`hold_s`, Kubernetes) and the harness declared artifact
+files, it first holds the job alive (a `holding` record) until the dispatcher has read them.
 """
 
 from evalbus.runner.run import run_job

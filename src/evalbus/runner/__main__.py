@@ -1,5 +1,7 @@
 """`python -m evalbus.runner [--job FILE|-] [--workdir DIR]`: run one case attempt in this job;
-`--exec COMMAND`: run a live exec in the job's workdir, the job's secret values masked in its output."""
+`--exec COMMAND`: run a live exec in the job's workdir, the job's secret values masked in its output;
+`--send-file PATH [--max-bytes N]`: write the workdir's file PATH to stdout (a declared artifact
+the dispatcher collects)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from evalbus.runner.run import exec_masked, run_job
+from evalbus.runner.run import exec_masked, run_job, send_file
 from evalbus_contracts.runner import JOB_ENV, RunnerJob
 
 EXIT_BAD_JOB = 2
@@ -26,7 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--exec", dest="command", help="run this shell command in the workdir instead, its output masked"
     )
+    parser.add_argument("--send-file", dest="send", help="write this workdir file to stdout instead")
+    parser.add_argument("--max-bytes", type=int, default=256 * 1024 * 1024, help="refuse a larger --send-file")
     args = parser.parse_args(argv)
+    if args.send is not None:
+        return send_file(Path(args.workdir), args.send, args.max_bytes, sys.stdout.buffer, _write_err)
     if args.command is not None:
         return _exec(args.command, Path(args.workdir))
     if args.job == "-":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -21,15 +22,19 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
-from typing import Literal
+from typing import BinaryIO, Literal
 from urllib.parse import quote
 
 from evalbus_contracts import RepoSnapshot
 from evalbus_contracts.runner import (
     RECORD_TEXT_CAP,
+    SEND_MISSING,
+    SEND_NOT_A_FILE,
+    SEND_TOO_LARGE,
     Done,
     ExecDone,
     Exited,
+    Holding,
     Record,
     RunnerJob,
     SnapshotTaken,
@@ -58,6 +63,8 @@ _READ_CHUNK = 64 * 1024
 _MAX_LINE = 1024 * 1024
 _DIFF_CAP = 256 * 1024
 _RESOURCE_KEY = "evalbus.run_id"
+_EVENT_PREFIX = "EVALBUS_EVENT "
+_SEND_BLOCK = 1024 * 1024
 
 Stream = Literal["stdout", "stderr"]
 Write = Callable[[str], None]
@@ -312,6 +319,8 @@ async def run_job(job: RunnerJob, *, workdir: Path, environ: Mapping[str, str], 
             emit(Done())
             return 0
 
+        declared: list[str] = []
+
         async def harness_line(stream: Stream, line: str) -> None:
             text = redact(line)
             if stream == "stderr":
@@ -319,6 +328,8 @@ async def run_job(job: RunnerJob, *, workdir: Path, environ: Mapping[str, str], 
             elif is_record_line(text):
                 emit(StdoutLine(text=text))  # escaped: a harness cannot forge records
             else:
+                if (ref := declared_file(text)) is not None:
+                    declared.append(ref)
                 write(text)
 
         def spawned(pid: int) -> None:
@@ -351,11 +362,69 @@ async def run_job(job: RunnerJob, *, workdir: Path, environ: Mapping[str, str], 
         snapshot = await _snapshot(workdir, env)
         if snapshot is not None:
             emit(SnapshotTaken(snapshot=snapshot))
+        if declared and job.hold_s > 0:
+            emit(Holding(files=tuple(declared), timeout_s=job.hold_s, pid=os.getpid()))
+            await hold(job.hold_s)
         emit(Done())
         return 0
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(input_name)
+
+
+def declared_file(line: str) -> str | None:
+    """The path an `EVALBUS_EVENT` line of kind `artifact` declares (not yet stored: no `sha256`),
+    else None (pure)."""
+    if not line.startswith(_EVENT_PREFIX):
+        return None
+    try:
+        event = json.loads(line[len(_EVENT_PREFIX) :])
+    except ValueError:
+        return None
+    if not isinstance(event, dict) or event.get("kind") != "artifact" or event.get("sha256") is not None:
+        return None
+    ref = event.get("ref")
+    return ref if isinstance(ref, str) and ref else None
+
+
+async def hold(seconds: float) -> None:
+    """Wait `seconds`, or until SIGUSR1 or SIGTERM (the dispatcher has read the files, or the job is
+    being deleted) — whichever comes first."""
+    loop = asyncio.get_running_loop()
+    released = asyncio.Event()
+    signals = (signal.SIGUSR1, signal.SIGTERM)
+    for sig in signals:
+        loop.add_signal_handler(sig, released.set)
+    try:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(released.wait(), seconds)
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
+def send_file(workdir: Path, rel: str, max_bytes: int, out: BinaryIO, err: Write) -> int:
+    """Write the workdir's file `rel` to `out` — how the dispatcher reads a declared file from a
+    job it cannot reach otherwise (an exec); 0, or `SEND_MISSING` / `SEND_NOT_A_FILE` (a folder, a
+    link leading out of the workdir) / `SEND_TOO_LARGE` with the reason to `err` and nothing
+    written."""
+    try:
+        path = (workdir / rel).resolve(strict=True)
+    except OSError:
+        err(f"no such file: {rel}")
+        return SEND_MISSING
+    if not path.is_relative_to(workdir.resolve()) or not path.is_file():
+        err(f"not a regular file inside the workdir: {rel}")
+        return SEND_NOT_A_FILE
+    size = path.stat().st_size
+    if size > max_bytes:
+        err(f"size={size}")
+        return SEND_TOO_LARGE
+    with path.open("rb") as f:
+        while block := f.read(_SEND_BLOCK):
+            out.write(block)
+    out.flush()
+    return 0
 
 
 async def _check(

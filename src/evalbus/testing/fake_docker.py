@@ -5,7 +5,10 @@ backend uses, under version-prefixed paths (`/v1.<n>/…`) as the Engine API doc
 `GET /_ping`, `GET /info`, `POST /images/create` (a pull's progress stream), `POST
 /containers/create`, `GET /containers/json`, `POST /containers/{id}/start`, `…/wait`, `…/kill`,
 `GET /containers/{id}/json`, `…/logs` (the multiplexed stream framing, followed or not), `…/stats`,
-`DELETE /containers/{id}`, `GET /events` (since / until / filters, streamed), `POST
+`DELETE /containers/{id}`, `GET /containers/{id}/archive` (a tar stream, `application/x-tar`, of
+the path — an absolute one, under the container's `WorkingDir`, the only part of its filesystem
+the fake has — with the path's stat in `X-Docker-Container-Path-Stat`; `404` for a missing path;
+served for a stopped container too, until it is removed), `GET /events` (since / until / filters, streamed), `POST
 /containers/{id}/exec`, `POST /exec/{id}/start` (the hijacked connection: `101 UPGRADED`, then the
 process's stdin and output on the raw socket), `POST /exec/{id}/resize`, `GET /exec/{id}/json`.
 Every request is checked against the documented shapes — the path and method, the query
@@ -27,15 +30,19 @@ by the program (`stty size`). Events carry real timestamps.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import fcntl
+import io
 import json
 import os
 import re
 import secrets
 import signal
 import ssl
+import stat
 import struct
+import tarfile
 import tempfile
 import termios
 import time
@@ -219,6 +226,8 @@ class FakeDocker:
         """(method, path) of every request, version prefix included."""
         self.removals: list[tuple[str, bool]] = []
         """(container id, force) of every removal."""
+        self.archives: list[tuple[str, str]] = []
+        """(container id, path) of every archive read."""
         self.created: list[Json] = []
         """Every `ContainerCreateRequest` accepted, in order (kept after the container is removed)."""
         self._changed = asyncio.Event()
@@ -244,6 +253,7 @@ class FakeDocker:
             ("GET", "/containers/{id}/logs", self._logs),
             ("GET", "/containers/{id}/stats", self._stats),
             ("DELETE", "/containers/{id}", self._remove),
+            ("GET", "/containers/{id}/archive", self._archive),
             ("GET", "/events", self._events),
             ("POST", "/containers/{id}/exec", self._exec_create),
             ("POST", "/exec/{id}/start", self._exec_start),
@@ -656,6 +666,39 @@ class FakeDocker:
         container.notify()
         return web.Response(status=204)
 
+    async def _archive(self, request: web.Request) -> web.StreamResponse:
+        """A tar archive of the path (a file as one member named by its last element; a link kept as a
+        link, not followed), its stat in `X-Docker-Container-Path-Stat`."""
+        if (refused := self._params(request, {"path"})) is not None:
+            return refused
+        path = request.query.get("path", "")
+        if not path.startswith("/"):
+            return self._refuse(400, f"GET /containers/{{id}}/archive: path must be absolute, not {path!r}")
+        container = self._container(request)
+        if isinstance(container, web.Response):
+            return container
+        self.archives.append((container.id, path))
+        working = "/" + str(container.config.get("WorkingDir") or "/").strip("/")
+        missing = web.json_response(
+            {"message": f"Could not find the file {path} in container {container.name}"}, status=404
+        )
+        if container.workdir is None or not (path == working or path.startswith(working.rstrip("/") + "/")):
+            return missing
+        target = container.workdir / path[len(working) :].lstrip("/")
+        try:
+            data, info = await asyncio.to_thread(_tar_of, target, container.workdir)
+        except (FileNotFoundError, NotADirectoryError):
+            return missing
+        header = base64.b64encode(json.dumps(info).encode()).decode()
+        response = web.StreamResponse(
+            headers={"Content-Type": "application/x-tar", "X-Docker-Container-Path-Stat": header}
+        )
+        await response.prepare(request)
+        for at in range(0, len(data), 64 * 1024):
+            await response.write(data[at : at + 64 * 1024])
+        await response.write_eof()
+        return response
+
     async def _stop(self, container: FakeContainer) -> None:
         if container.process is not None and container.process.returncode is None:
             self._event(container, "kill", signal="SIGKILL")
@@ -848,6 +891,30 @@ class FakeDocker:
                                   "privileged": False, "user": ""},
             }
         )  # fmt: skip
+
+
+_GO_TYPE_BITS = ((stat.S_ISDIR, 1 << 31), (stat.S_ISLNK, 1 << 27), (stat.S_ISBLK, 1 << 26),
+                 (stat.S_ISFIFO, 1 << 25), (stat.S_ISSOCK, 1 << 24), (stat.S_ISCHR, (1 << 26) | (1 << 21)))  # fmt: skip
+
+
+def _tar_of(target: Path, root: Path) -> tuple[bytes, Json]:
+    """The archive of `target` (a folder with what it holds) and its stat as the engine gives it
+    (`mode`: Go `fs.FileMode` bits); `FileNotFoundError` when it does not exist or a link in its
+    path leads out of `root` (the container's filesystem, as the engine resolves it)."""
+    if not target.parent.resolve().is_relative_to(root.resolve()):
+        raise FileNotFoundError(target)
+    info = os.lstat(target)
+    mode = stat.S_IMODE(info.st_mode) & 0o777
+    for test, bit in _GO_TYPE_BITS:
+        if test(info.st_mode):
+            mode |= bit
+    link = os.readlink(target) if stat.S_ISLNK(info.st_mode) else ""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        tar.add(target, arcname=target.name, recursive=True)  # links stay links (no dereference)
+    stamp = datetime.fromtimestamp(info.st_mtime, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return buffer.getvalue(), {"name": target.name, "size": info.st_size, "mode": mode, "mtime": stamp,
+                               "linkTarget": link}  # fmt: skip
 
 
 def _kill_container(root: int) -> None:

@@ -251,6 +251,8 @@ class FakeKubernetes:
         """Watches of pods opened."""
         self.exec_protocols: list[str] = []
         """The subprotocol each exec connection settled on."""
+        self.exec_commands: list[list[str]] = []
+        """The argv of every exec accepted, in order."""
         self._changed = asyncio.Condition()
         self._runner: web.AppRunner | None = None
         self._root = Path(tempfile.mkdtemp(prefix="fake-k8s-"))
@@ -670,6 +672,7 @@ class FakeKubernetes:
         if pod.started_at is None or pod.terminated is not None or pod.workdir is None:
             message = f"unable to upgrade connection: container not found ({pod.container['name']!r})"
             return web.json_response(_status(400, "BadRequest", message), status=400)
+        self.exec_commands.append(list(command))
         ws = web.WebSocketResponse(protocols=[p for p in CHANNEL_PROTOCOLS if p in offered])
         await ws.prepare(request)
         protocol = ws.ws_protocol or ""

@@ -4,7 +4,14 @@ It answers the endpoints the dispatcher's Nomad backend uses, as the Nomad HTTP 
 them: `POST /v1/jobs` (the JSON job; every object checked against its documented field names — an
 unknown field, a wrong `Type`, a task without `Driver`/`Resources` is a 400 *and* a recorded
 violation), `GET /v1/job/:id/allocations`, `GET /v1/job/:id/evaluations`, `DELETE /v1/job/:id`,
-`GET /v1/nodes`, `GET /v1/allocations` (with `resources`), `GET /v1/client/fs/logs/:alloc` and the alloc exec WebSocket
+`GET /v1/nodes`, `GET /v1/allocations` (with `resources`), `GET /v1/client/fs/logs/:alloc`, the
+allocation filesystem (`GET
+/v1/client/fs/stat/:alloc` answering the documented `AllocFileInfo` JSON (links followed),
+`fs/ls/:alloc` a list of them (links as links, `L…` modes), `fs/cat/:alloc` and
+`fs/readat/:alloc` raw bytes, `path` relative to the allocation directory — `<task>/local` is the
+task directory — which outlives the task until the job is deregistered; a missing file is a `500`
+with the client's `stat …: no such file or directory`, a path leaving the allocation directory a
+`500` `Path escapes the alloc directory`) and the alloc exec WebSocket
 `/v1/client/allocation/:alloc/exec` (JSON frames: `stdin`/`tty_size` in, `stdout`/`stderr`/`exited`
 out). A request that does not match is recorded in `violations`, so a test can assert none happened.
 
@@ -26,12 +33,16 @@ import asyncio
 import base64
 import contextlib
 import json
+import mimetypes
+import os
 import re
+import stat
 import tempfile
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +196,8 @@ class FakeNomad:
         self.violations: list[str] = []
         self.deregistered: list[tuple[str, bool]] = []
         """(job id, purge) of every deregistration."""
+        self.fs_requests: list[tuple[str, str]] = []
+        """(endpoint — `stat`, `cat`, `readat` — and path) of every allocation filesystem read."""
         self._waiting: list[str] = []
         self._root = Path(tempfile.mkdtemp(prefix="fake-nomad-"))
         self._runner: web.AppRunner | None = None
@@ -227,6 +240,10 @@ class FakeNomad:
         app.router.add_get("/v1/allocations", self._list_allocations)
         app.router.add_get("/v1/node/{id}", self._node)
         app.router.add_get("/v1/client/fs/logs/{alloc}", self._logs)
+        app.router.add_get("/v1/client/fs/stat/{alloc}", self._fs_stat)
+        app.router.add_get("/v1/client/fs/ls/{alloc}", self._fs_ls)
+        app.router.add_get("/v1/client/fs/cat/{alloc}", self._fs_cat)
+        app.router.add_get("/v1/client/fs/readat/{alloc}", self._fs_readat)
         app.router.add_get("/v1/client/allocation/{alloc}/exec", self._exec)
         app.router.add_get("/v1/client/allocation/{alloc}/stats", self._stats)
         self._runner = web.AppRunner(app, handle_signals=False)
@@ -485,7 +502,7 @@ class FakeNomad:
         task = alloc.spec
         self._event(alloc, "Received", "Task received by client")
         self._event(alloc, "Task Setup", "Building Task Directory")
-        alloc.task_dir = self._root / alloc.id / "local"
+        alloc.task_dir = self._root / alloc.id / task["Name"] / "local"  # NOMAD_TASK_DIR
         alloc.task_dir.mkdir(parents=True)
         if task["Driver"] == "docker":
             image = task["Config"].get("image", "")
@@ -589,6 +606,85 @@ class FakeNomad:
         body = bytes(data[offset:]) if request.query.get("origin", "start") == "start" else bytes(data[-offset:])
         return web.Response(body=body, content_type="text/plain")
 
+    # ------------------------------------------------------------ allocation filesystem
+
+    def _fs_target(self, request: web.Request, what: str, allowed: set[str]) -> Path | web.Response:
+        """The file a filesystem request names in its allocation's directory, or the answer refusing it."""
+        if unknown := sorted(set(request.query) - allowed):
+            return self._refuse(400, f"fs/{what}: unknown parameter(s) {unknown}")
+        path = request.query.get("path")
+        if not path:
+            return self._refuse(400, f"fs/{what} needs the path parameter (relative to the allocation directory)")
+        alloc = self.allocs.get(request.match_info["alloc"])
+        if alloc is None or alloc.task_dir is None:
+            return web.Response(status=404, text="Unknown allocation")
+        self.fs_requests.append((what, path))
+        root = (self._root / alloc.id).resolve()
+        target = root / path.lstrip("/")
+        with contextlib.suppress(OSError):
+            if not target.resolve().is_relative_to(root):  # Nomad resolves links before it checks
+                return web.Response(status=500, text="Path escapes the alloc directory")
+        return target
+
+    async def _fs_stat(self, request: web.Request) -> web.StreamResponse:
+        """`AllocFileInfo` of the path (links followed, as the client's `os.Stat`)."""
+        target = self._fs_target(request, "stat", {"path", "namespace", "region"})
+        if isinstance(target, web.Response):
+            return target
+        try:
+            info = target.stat()
+        except OSError as e:
+            return web.Response(status=500, text=f"stat {target}: {os.strerror(e.errno or 2).lower()}")
+        return web.json_response(_file_info(target.name, info))
+
+    async def _fs_ls(self, request: web.Request) -> web.StreamResponse:
+        """`AllocFileInfo` of every entry of the folder (not followed: a link is `L…`, as Go's `ReadDir`)."""
+        target = self._fs_target(request, "ls", {"path", "namespace", "region"})
+        if isinstance(target, web.Response):
+            return target
+
+        def listing() -> list[Json]:
+            return [_file_info(entry.name, entry.lstat()) for entry in sorted(target.iterdir())]
+
+        try:
+            return web.json_response(await asyncio.to_thread(listing))
+        except OSError as e:
+            return web.Response(status=500, text=f"open {target}: {os.strerror(e.errno or 2).lower()}")
+
+    async def _fs_cat(self, request: web.Request) -> web.StreamResponse:
+        """The whole file, raw."""
+        target = self._fs_target(request, "cat", {"path", "namespace", "region"})
+        if isinstance(target, web.Response):
+            return target
+        return await self._fs_bytes(target, 0, None)
+
+    async def _fs_readat(self, request: web.Request) -> web.StreamResponse:
+        """`limit` bytes from `offset`, raw."""
+        target = self._fs_target(request, "readat", {"path", "offset", "limit", "namespace", "region"})
+        if isinstance(target, web.Response):
+            return target
+        try:
+            offset, limit = int(request.query["offset"]), int(request.query["limit"])
+        except (KeyError, ValueError):
+            return self._refuse(400, "fs/readat needs integer offset and limit parameters")
+        if offset < 0 or limit < 0:
+            return self._refuse(400, "fs/readat: offset and limit must not be negative")
+        return await self._fs_bytes(target, offset, limit)
+
+    async def _fs_bytes(self, target: Path, offset: int, limit: int | None) -> web.StreamResponse:
+        def read() -> bytes:
+            with target.open("rb") as f:
+                f.seek(offset)
+                return f.read() if limit is None else f.read(limit)
+
+        try:
+            data = await asyncio.to_thread(read)
+        except IsADirectoryError:
+            return web.Response(status=500, text=f"file {target.name!r} is a directory")
+        except OSError as e:
+            return web.Response(status=500, text=f"open {target}: {os.strerror(e.errno or 2).lower()}")
+        return web.Response(body=data, content_type="application/octet-stream")
+
     async def _stats(self, request: web.Request) -> web.StreamResponse:
         """`AllocResourceUsage`: the task's resident memory (its process tree), CPU not measured."""
         if unknown := sorted(set(request.query) - {"namespace", "region"}):
@@ -666,3 +762,20 @@ class FakeNomad:
         with contextlib.suppress(asyncio.CancelledError):
             await reader
         return ws
+
+
+def _file_info(name: str, info: os.stat_result) -> Json:
+    """An `AllocFileInfo`."""
+    kind = mimetypes.guess_type(name)[0] or "application/octet-stream"
+    return {
+        "Name": name, "IsDir": stat.S_ISDIR(info.st_mode), "Size": info.st_size, "FileMode": _go_mode(info.st_mode),
+        "ModTime": datetime.fromtimestamp(info.st_mtime, tz=UTC).isoformat().replace("+00:00", "Z"),
+        "ContentType": "text/directory" if stat.S_ISDIR(info.st_mode) else kind,
+    }  # fmt: skip
+
+
+def _go_mode(mode: int) -> str:
+    """A file mode as Go's `fs.FileMode.String()` writes it (`-rw-r--r--`, `drwxr-xr-x`)."""
+    kind = "d" if stat.S_ISDIR(mode) else "L" if stat.S_ISLNK(mode) else "p" if stat.S_ISFIFO(mode) else "S" if stat.S_ISSOCK(mode) else (
+        "D" if stat.S_ISBLK(mode) or stat.S_ISCHR(mode) else "-")  # fmt: skip
+    return kind + "".join(c if mode & (1 << (8 - i)) else "-" for i, c in enumerate("rwxrwxrwx"))

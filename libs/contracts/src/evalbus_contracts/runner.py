@@ -10,7 +10,8 @@ else as one **record line** each:
 `kind` is one of `started`, `stdout` (a harness stdout line that itself began with the marker,
 escaped so a harness cannot forge records), `stderr` (a harness stderr line: orchestrators such
 as Kubernetes merge the two streams in the job log), `exited`, `exec` (a compute grader's command
-and what it gave), `snapshot`, `done`. A reader decodes the log line by line; a torn record (cut
+and what it gave), `snapshot`, `holding` (the runner keeps the job alive so the dispatcher can
+read the files the harness declared), `done`. A reader decodes the log line by line; a torn record (cut
 by a log read while the job writes, or by a crash) is skipped, never fatal.
 """
 
@@ -28,6 +29,12 @@ JOB_ENV = "EVALBUS_JOB"
 """Environment variable holding the job spec (JSON) when no `--job` file is given."""
 RECORD_TEXT_CAP = 64 * 1024
 """Most bytes of one text field (a stderr line, an exec's stdout or stderr tail) in a record."""
+SEND_MISSING = 3
+"""Exit code of `python -m evalbus.runner --send-file PATH` when there is no such file."""
+SEND_NOT_A_FILE = 4
+"""... when PATH is no regular file inside the workdir (a folder, a link leading out of it)."""
+SEND_TOO_LARGE = 5
+"""... when the file is larger than `--max-bytes` (its stderr says `size=<bytes>`)."""
 
 
 class RunnerCheck(msgspec.Struct, frozen=True, kw_only=True):
@@ -67,6 +74,11 @@ class RunnerJob(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """The harness is killed past this (exit 124)."""
     checks: tuple[RunnerCheck, ...] = ()
     """Compute graders' commands, in grader order."""
+    hold_s: float = 0.0
+    """When the harness declared artifact files (`EVALBUS_EVENT` lines of kind `artifact`), keep
+    the job alive after the snapshot for at most this many seconds (a `holding` record says so)
+    so the dispatcher can read them from the running job; it ends the hold with SIGUSR1 (or
+    SIGTERM). 0: never hold (a backend that reads a finished job's files)."""
 
 
 class _Record(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
@@ -133,11 +145,23 @@ class SnapshotTaken(_Record, frozen=True, kw_only=True, tag="snapshot"):
     """Diff, changed files, head."""
 
 
+class Holding(_Record, frozen=True, kw_only=True, tag="holding"):
+    """The runner keeps the job alive for the dispatcher to read the declared files (after the
+    snapshot, before `done`)."""
+
+    files: tuple[str, ...]
+    """The paths the harness declared (as it wrote them), relative to the workdir."""
+    timeout_s: float
+    """Longest the hold lasts; the runner then says `done` and exits."""
+    pid: int
+    """The runner's process id inside the job: SIGUSR1 (or SIGTERM) to it ends the hold at once."""
+
+
 class Done(_Record, frozen=True, kw_only=True, tag="done"):
     """The runner finished: nothing more needs the job."""
 
 
-Record = Started | StdoutLine | StderrLine | Exited | ExecDone | SnapshotTaken | Done
+Record = Started | StdoutLine | StderrLine | Exited | ExecDone | SnapshotTaken | Holding | Done
 """Any record line's payload."""
 
 _encoder = msgspec.json.Encoder()

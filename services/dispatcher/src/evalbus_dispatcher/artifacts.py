@@ -29,12 +29,16 @@ from nats.js import JetStreamContext
 
 from evalbus_contracts import Artifact, CaseExecuted, CaseFailure, Error, TraceEvent, encode
 from evalbus_contracts.streams import ARTIFACTS
+from evalbus_dispatcher.backends.base import FileUnreadable, ReadsFiles
+from evalbus_dispatcher.errors import BackendError
 from evalbus_dispatcher.harness_output import strip_control_lines
 from evalbus_runtime.objects import put_object
 from evalbus_runtime.payloads import DEFAULT_INLINE_MAX_BYTES, offload_result, run_prefix
 
 READ_BLOCK = 1024 * 1024
 """Bytes read from a declared file at a time."""
+MAX_FILE_BYTES = 256 * 1024 * 1024
+"""Largest declared file stored (bytes), on every backend; a larger one is refused, saying so."""
 _SEGMENT = re.compile(r"^[-_.A-Za-z0-9=]+$")
 _MAX_PATH = 200
 
@@ -63,10 +67,45 @@ def is_declaration(event: TraceEvent) -> bool:
     return isinstance(event, Artifact) and event.sha256 is None
 
 
-async def _blocks(path: Path) -> AsyncIterator[bytes]:
+@dataclass(frozen=True, slots=True)
+class WorkdirFiles:
+    """`ReadsFiles` for a workdir on this machine (the local backend's sandboxes)."""
+
+    workdir: Path
+    """Where the harness ran."""
+
+    async def open_file(self, rel: str, *, max_bytes: int) -> AsyncIterator[bytes]:
+        """The file's blocks; `FileUnreadable` when it is missing, resolves (through a link) outside
+        the workdir, is no regular file, or is larger than `max_bytes`."""
+        try:
+            resolved = (self.workdir / rel).resolve(strict=True)
+        except OSError as e:
+            raise FileUnreadable.missing() from e
+        if not resolved.is_relative_to(self.workdir.resolve()) or not resolved.is_file():
+            raise FileUnreadable.not_a_file()
+        size = resolved.stat().st_size
+        if size > max_bytes:
+            raise FileUnreadable.too_large(size, max_bytes)
+        return _blocks(resolved, max_bytes)
+
+
+async def _blocks(path: Path, max_bytes: int) -> AsyncIterator[bytes]:
+    seen = 0
     with path.open("rb") as f:
         while block := f.read(READ_BLOCK):
+            seen += len(block)
+            if seen > max_bytes:  # grew since it was looked at
+                raise FileUnreadable.too_large(seen, max_bytes)
             yield block
+
+
+def files_of(sandbox: object) -> ReadsFiles | None:
+    """How the dispatcher reads `sandbox`'s files (None: it cannot)."""
+    if isinstance(sandbox, ReadsFiles):
+        return sandbox
+    if isinstance(sandbox, HasWorkdir):
+        return WorkdirFiles(sandbox.workdir)
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +118,8 @@ class RunObjects:
     """Largest log, and answer + trace + snapshot, carried inline (bytes)."""
     max_event_bytes: int = 0
     """The bus's `max_payload` (0: unknown, not checked)."""
+    max_file_bytes: int = MAX_FILE_BYTES
+    """Largest declared file stored (bytes)."""
 
     async def store_declared(
         self, events: Sequence[TraceEvent], sandbox: object, *, run_id: str, attempt: int, t: float
@@ -100,21 +141,20 @@ class RunObjects:
     async def _store_one(
         self, event: Artifact, sandbox: object, *, run_id: str, attempt: int
     ) -> tuple[Artifact | None, str]:
-        if not isinstance(sandbox, HasWorkdir):
-            return None, "this backend's sandboxes have no workdir the dispatcher can read"
+        files = files_of(sandbox)
+        if files is None:
+            return None, "this backend's sandboxes have no files the dispatcher can read"
         rel = declared_path(event.ref)
         if rel is None:
             return None, "the path must be relative, stay inside the workdir and use only [-_.=A-Za-z0-9/]"
-        path = sandbox.workdir / rel
-        try:
-            resolved = path.resolve(strict=True)
-        except OSError:
-            return None, "no such file in the workdir"
-        if not resolved.is_relative_to(sandbox.workdir.resolve()) or not resolved.is_file():
-            return None, "not a regular file inside the workdir"
         name = f"{run_prefix(run_id, attempt)}/files/{rel}"
         try:
-            ref = await put_object(self.js, ARTIFACTS, name, _blocks(resolved), headers={"Evalbus-Run": run_id})
+            blocks = await files.open_file(rel, max_bytes=self.max_file_bytes)
+            ref = await put_object(self.js, ARTIFACTS, name, blocks, headers={"Evalbus-Run": run_id})
+        except FileUnreadable as e:
+            return None, e.reason
+        except BackendError as e:
+            return None, f"unreadable: {e.message}"
         except OSError as e:
             return None, f"unreadable: {e}"
         return Artifact(

@@ -7,7 +7,7 @@ calls and a `snapshot`, then `release` (idempotent, always called, also on error
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal, Protocol, runtime_checkable
@@ -202,6 +202,49 @@ class Interactive(Protocol):
 
     def kill_group(self, pgid: int) -> None:
         """Kill one process group the sandbox started."""
+        ...
+
+
+class FileUnreadable(Exception):
+    """A file a harness declared cannot be given: missing, not a regular file inside the workdir, too
+    large, or its sandbox can no longer be read. `reason` is said in the run's trace."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+    @classmethod
+    def missing(cls) -> FileUnreadable:
+        """No such file (the same words on every backend)."""
+        return cls(MISSING_FILE)
+
+    @classmethod
+    def not_a_file(cls) -> FileUnreadable:
+        """A folder, a symbolic link, a device, or a path resolving outside the workdir."""
+        return cls(NOT_A_FILE)
+
+    @classmethod
+    def too_large(cls, size: int, max_bytes: int) -> FileUnreadable:
+        """Over the cap."""
+        return cls(f"{size} bytes, more than the {max_bytes} bytes a declared file may have")
+
+
+MISSING_FILE = "no such file in the workdir"
+"""Why a declared path that does not exist is not stored."""
+NOT_A_FILE = "not a regular file inside the workdir"
+"""Why a folder, a link, or a path resolving outside the workdir is not stored."""
+
+
+@runtime_checkable
+class ReadsFiles(Protocol):
+    """A sandbox the dispatcher can read a file of, by a path relative to its workdir, between the
+    harness's end and the release (how a declared artifact is collected)."""
+
+    async def open_file(self, rel: str, *, max_bytes: int) -> AsyncIterator[bytes]:
+        """The file's bytes, block by block, once it is known to be a regular file inside the
+        workdir of at most `max_bytes`; `FileUnreadable` (raised here, before any byte) when it
+        is not. `rel` is already normalised (`artifacts.declared_path`). A failure while the blocks
+        are read raises from the iterator (`FileUnreadable` or `BackendError`)."""
         ...
 
 

@@ -19,7 +19,9 @@ engine), and an `engine` mark per lifecycle event (`create`, `start`, `oom`, `di
 engine lacks is pulled (`POST /images/create`); one that cannot be pulled fails the run at once as
 `ErrImagePull`, the engine's answer in the marks. The log is followed (`/containers/{id}/logs`,
 multiplexed frames) and decoded from the runner's record lines; how it ended comes from
-`/containers/{id}/wait` and `State.OOMKilled`. Exec and the terminal are engine execs over the
+`/containers/{id}/wait` and `State.OOMKilled`. A declared file is read from the container, stopped
+but not yet removed, as its archive (`GET /containers/{id}/archive?path=…`: the path's stat header
+says whether it is a regular file, the tar stream's one member is read as it comes). Exec and the terminal are engine execs over the
 hijacked connection (`/containers/{id}/exec`, `/exec/{id}/start`, `/exec/{id}/resize`). Release
 removes the container (`force`). The HTTP client is `docker_engine.py` (why aiohttp and not the
 synchronous `docker` SDK: its docstring); what the container is told and how the engine's answers
@@ -37,14 +39,17 @@ import logging
 import math
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
+
+import aiohttp
 
 from evalbus_contracts import CaseRequested, PromptSnapshot, Snapshot
 from evalbus_contracts.specs import ComputeSpec
 from evalbus_dispatcher.backends.base import (
     Capacity,
+    FileUnreadable,
     HarnessRun,
     LiveExec,
     Mark,
@@ -58,6 +63,7 @@ from evalbus_dispatcher.backends.docker_container import (
     LIFECYCLE,
     RUN_LABEL,
     SHELL,
+    WORKING_DIR,
     DockerTemplate,
     StreamMask,
     container_body,
@@ -73,6 +79,7 @@ from evalbus_dispatcher.backends.docker_container import (
 from evalbus_dispatcher.backends.docker_engine import (
     API_VERSION,
     DEFAULT_HOST,
+    PATH_STAT_HEADER,
     STDERR,
     STDOUT,
     DockerEngine,
@@ -80,7 +87,9 @@ from evalbus_dispatcher.backends.docker_engine import (
     FrameSplitter,
     Hijacked,
     parse_host,
+    path_stat,
     query,
+    read_tar_entry,
     tls_context,
 )
 from evalbus_dispatcher.backends.job_log import JobLog, LineSplitter, UnitEnd
@@ -464,6 +473,40 @@ class DockerSandbox:
         self._check_live()
         return self._log.snapshot(answer) if self._log is not None else PromptSnapshot(output=answer)
 
+    async def open_file(self, rel: str, *, max_bytes: int) -> AsyncIterator[bytes]:
+        """The workdir's file `rel` from the container (ended, not yet removed) as its archive;
+        `FileUnreadable` when the engine has no such path, or it is no regular file (a folder, a
+        link), or larger than `max_bytes`."""
+        self._check_live()
+        if self.container is None:
+            raise FileUnreadable("the container was never created")
+        path = f"{WORKING_DIR}/work/{rel}"
+        endpoint = f"/containers/{self.container}/archive"
+        try:
+            response = await self._engine.open_stream("GET", endpoint, params=query(path=path))
+        except EngineError as e:
+            if e.status == 404:
+                raise FileUnreadable.missing() from e
+            raise FileUnreadable(f"the engine did not give it: {self._mask(e.message)}") from e
+        try:
+            stat = path_stat(response.headers.get(PATH_STAT_HEADER))
+            if stat is not None and not stat.regular:
+                raise FileUnreadable.not_a_file()
+            if stat is not None and stat.size > max_bytes:
+                raise FileUnreadable.too_large(stat.size, max_bytes)
+            try:
+                entry = await read_tar_entry(response.content)
+            except (ValueError, asyncio.IncompleteReadError) as e:
+                raise FileUnreadable(f"the engine's archive of it cannot be read: {e}") from e
+            if entry is None or not entry.regular:
+                raise FileUnreadable.not_a_file()
+            if entry.size > max_bytes:
+                raise FileUnreadable.too_large(entry.size, max_bytes)
+        except BaseException:
+            response.close()
+            raise
+        return _member_blocks(response, entry.size)
+
     # ------------------------------------------------------------ live actions
 
     async def _start_exec(self, config: dict[str, Any], *, tty: bool) -> tuple[str, Hijacked]:
@@ -640,6 +683,25 @@ class DockerShell:
         await self._reader
         self._session.close()
         return await self._sandbox.exit_code(self._exec_id)
+
+
+async def _member_blocks(response: aiohttp.ClientResponse, size: int) -> AsyncIterator[bytes]:
+    """The `size` bytes of the archive's member whose header was just read, as they come; the
+    answer is closed once done."""
+    left = size
+    try:
+        while left > 0:
+            try:
+                block = await response.content.readexactly(min(left, _BLOCK))
+            except (asyncio.IncompleteReadError, aiohttp.ClientError) as e:
+                raise BackendError(f"the archive ended {left} bytes short: {e}", code="file_read_failed") from e
+            left -= len(block)
+            yield block
+    finally:
+        response.close()
+
+
+_BLOCK = 256 * 1024
 
 
 def connect_docker(

@@ -1,6 +1,7 @@
 """A small asynchronous client of the Docker Engine API: HTTP over the engine's unix socket (or a
-`tcp://` address, with TLS as the docker CLI does it: `tls_context`), version-prefixed paths (`/v1.43/...`), the multiplexed stream framing, and the
-hijacked connection of an attached exec.
+`tcp://` address, with TLS as the docker CLI does it: `tls_context`), version-prefixed paths (`/v1.43/...`), the multiplexed stream framing, the
+hijacked connection of an attached exec, and the tar stream of a container's archive (`GET
+/containers/{id}/archive`, its path's stat in `X-Docker-Container-Path-Stat`).
 
 Why not the official `docker` SDK: it is synchronous (every call, and every streamed log or exec
 read, would hold a thread of a pool sized for the running cases, as the Kubernetes and Nomad
@@ -14,6 +15,8 @@ plain asyncio stream to the same address and the raw socket is the session.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import json
 import ssl
@@ -36,6 +39,15 @@ DEFAULT_HOST = "unix:///var/run/docker.sock"
 STDIN, STDOUT, STDERR = 0, 1, 2
 """Stream types in a multiplexed frame's header."""
 _HEADER = struct.Struct(">BxxxL")
+PATH_STAT_HEADER = "X-Docker-Container-Path-Stat"
+"""Header of an archive answer: the path's stat, base64 of its JSON (`name`, `size`, `mode`, `mtime`,
+`linkTarget`)."""
+GO_MODE_TYPE = (1 << 31) | (1 << 27) | (1 << 26) | (1 << 25) | (1 << 24) | (1 << 21) | (1 << 19)
+"""Go's `fs.ModeType` (dir, symlink, device, named pipe, socket, char device, irregular): a stat's
+`mode` with none of these bits is a regular file."""
+TAR_BLOCK = 512
+"""A tar header's (and data padding's) size."""
+_TAR_REGULAR = (b"0", b"\0", b"7")
 
 
 class EngineError(Exception):
@@ -284,6 +296,29 @@ class DockerEngine:
                 0, f"the Docker engine at {self.address} cannot be reached: {type(e).__name__}: {e}"
             ) from e
 
+    async def open_stream(
+        self, method: str, endpoint: str, *, params: dict[str, str] | None = None
+    ) -> aiohttp.ClientResponse:
+        """A streamed answer (an archive) the caller reads and then closes (`close()`), a read idle
+        past the client's timeout failing; `EngineError` on an error status."""
+        await self.negotiate()
+        try:
+            response = await self._client().request(
+                method, self.path(endpoint), params=params,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._timeout_s, sock_read=self._timeout_s),
+            )  # fmt: skip
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            raise EngineError(
+                0, f"the Docker engine at {self.address} cannot be reached: {type(e).__name__}: {e}"
+            ) from e
+        if response.status >= 400:
+            try:
+                data = await response.read()
+            finally:
+                response.close()
+            raise EngineError(response.status, _message(data))
+        return response
+
     async def hijack(
         self, endpoint: str, body: dict[str, Any], *, multiplexed: bool, timeout_s: float | None = None
     ) -> Hijacked:
@@ -327,6 +362,102 @@ class DockerEngine:
             writer.close()
             raise EngineError(status, _message(raw) or status_line.strip())
         return Hijacked(reader=reader, writer=writer, multiplexed=multiplexed)
+
+
+@dataclass(frozen=True, slots=True)
+class PathStat:
+    """A container path's stat, as an archive answer's header gives it."""
+
+    name: str
+    """Its last element."""
+    size: int
+    """Bytes."""
+    mode: int
+    """Go `fs.FileMode` bits."""
+    link_target: str = ""
+    """Where a symbolic link points (empty otherwise)."""
+
+    @property
+    def regular(self) -> bool:
+        """A regular file (not a folder, link, device, pipe or socket)."""
+        return self.mode & GO_MODE_TYPE == 0
+
+
+def path_stat(header: str | None) -> PathStat | None:
+    """The `X-Docker-Container-Path-Stat` header read (None: absent or unreadable)."""
+    if not header:
+        return None
+    try:
+        body = json.loads(base64.b64decode(header))
+        return PathStat(
+            name=str(body.get("name", "")), size=int(body.get("size") or 0), mode=int(body.get("mode") or 0),
+            link_target=str(body.get("linkTarget") or ""),
+        )  # fmt: skip
+    except (ValueError, TypeError, binascii.Error, AttributeError):
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class TarEntry:
+    """One member's header in a tar stream."""
+
+    name: str
+    """Its path in the archive (a PAX `path` or GNU long name when there is one)."""
+    size: int
+    """Bytes of data that follow (padded to `TAR_BLOCK`)."""
+    regular: bool
+    """A regular file."""
+
+
+def _tar_number(field: bytes) -> int:
+    if field[:1] and field[0] & 0x80:  # base-256, for sizes past 8 GiB
+        return int.from_bytes(field[1:], "big")
+    text = field.strip(b" \0")
+    return int(text, 8) if text else 0
+
+
+def _pax(data: bytes) -> dict[str, str]:
+    """PAX extended header records (`<len> <key>=<value>\\n`)."""
+    out: dict[str, str] = {}
+    at = 0
+    while at < len(data):
+        space = data.index(b" ", at)
+        length = int(data[at:space])
+        key, _, value = data[space + 1 : at + length - 1].partition(b"=")
+        out[key.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
+        at += length
+    return out
+
+
+async def read_tar_entry(reader: asyncio.StreamReader | aiohttp.StreamReader) -> TarEntry | None:
+    """The next member's header of a tar stream (PAX and GNU long-name headers folded in), its data
+    left to read; None at the archive's end. `ValueError` for a header that is no tar header;
+    `asyncio.IncompleteReadError` when the stream ends inside one."""
+    pax: dict[str, str] = {}
+    long_name: str | None = None
+    while True:
+        header = await reader.readexactly(TAR_BLOCK)
+        if header == bytes(TAR_BLOCK):
+            return None
+        stored = sum(header[:148]) + 8 * 32 + sum(header[156:])
+        try:
+            checksum, size = _tar_number(header[148:156]), _tar_number(header[124:136])
+        except ValueError:
+            checksum = size = -1
+        if checksum != stored or size < 0:
+            raise ValueError("not a tar header (its checksum does not match)")
+        flag = header[156:157]
+        if flag in (b"x", b"g", b"L"):
+            data = (await reader.readexactly(-(-size // TAR_BLOCK) * TAR_BLOCK))[:size]
+            if flag == b"x":
+                pax.update(_pax(data))
+            elif flag == b"L":
+                long_name = data.rstrip(b"\0").decode("utf-8", "replace")
+            continue
+        name = header[:100].rstrip(b"\0").decode("utf-8", "replace")
+        prefix = header[345:500].rstrip(b"\0").decode("utf-8", "replace") if header[257:262] == b"ustar" else ""
+        name = pax.get("path") or long_name or (f"{prefix}/{name}" if prefix else name)
+        return TarEntry(name=name, size=int(pax.get("size", size)), regular=flag in _TAR_REGULAR)
 
 
 def _version(text: str) -> tuple[int, ...]:

@@ -13,7 +13,17 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from evalbus_contracts import PromptSnapshot, RepoSnapshot, Snapshot
-from evalbus_contracts.runner import Done, ExecDone, Exited, SnapshotTaken, Started, StderrLine, StdoutLine, read_line
+from evalbus_contracts.runner import (
+    Done,
+    ExecDone,
+    Exited,
+    Holding,
+    SnapshotTaken,
+    Started,
+    StderrLine,
+    StdoutLine,
+    read_line,
+)
 from evalbus_dispatcher.backends.base import HarnessRun, OnOutput, OnSpawn, OutputStream, RunFailure
 from evalbus_grading import ExecResult
 
@@ -92,6 +102,8 @@ class JobLog:
         """The runner's `exited` record."""
         self.done = False
         """The runner said `done`."""
+        self.holding: Holding | None = None
+        """The runner's `holding` record: it keeps the job alive for the declared files."""
         self.torn = 0
         """Torn record lines skipped."""
         self._execs: deque[ExecDone] = deque()
@@ -121,6 +133,8 @@ class JobLog:
             self._execs.append(item)
         elif isinstance(item, SnapshotTaken):
             self._snapshot = item.snapshot
+        elif isinstance(item, Holding):
+            self.holding = item
         elif isinstance(item, Done):
             self.done = True
 
@@ -185,7 +199,8 @@ class JobLog:
                 return ExecResult(
                     exit_code=done.exit_code, stdout=done.stdout, stderr=done.stderr, timed_out=done.timed_out
                 )
-        why = "the runner was not asked to run this command" if self.done else "the job ended before its checks ran"
+        finished = self.done or self.holding is not None
+        why = "the runner was not asked to run this command" if finished else "the job ended before its checks ran"
         return ExecResult(exit_code=127, stdout="", stderr=f"[evalbus] {why}", timed_out=False)
 
     def snapshot(self, answer: str) -> Snapshot:

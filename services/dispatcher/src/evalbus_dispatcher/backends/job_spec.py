@@ -42,8 +42,9 @@ def runner_checks(job: CaseRequested) -> tuple[RunnerCheck, ...]:
     )
 
 
-def runner_job(job: CaseRequested, run_id: str) -> RunnerJob:
-    """What the runner is told: the harness, without secret values (only the variables' names)."""
+def runner_job(job: CaseRequested, run_id: str, *, hold_s: float = 0.0) -> RunnerJob:
+    """What the runner is told: the harness, without secret values (only the variables' names);
+    `hold_s`: how long it keeps the job alive for the dispatcher to read declared files (0: not)."""
     harness = job.harness
     return RunnerJob(
         run_id=run_id,
@@ -58,4 +59,5 @@ def runner_job(job: CaseRequested, run_id: str) -> RunnerJob:
         files=dict(harness.files),
         timeout_s=job.case.timeout_s or harness.timeout_s,
         checks=runner_checks(job),
+        hold_s=hold_s,
     )

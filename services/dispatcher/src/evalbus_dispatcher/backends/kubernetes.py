@@ -15,8 +15,11 @@ While the pod comes up the sandbox polls it and its Events and marks the run's t
 the marks at the moment it happens, and outlives the Job. A container that cannot start
 (`ErrImagePull`, `ImagePullBackOff`, `CreateContainerConfigError`…) fails the run at once. The log
 is followed while the container runs (the live log and trace) and decoded from the runner's record
-lines; out of memory is read from the container's `OOMKilled` status. Release deletes the Job with
-`propagationPolicy: Background` (its pod goes with it).
+lines; out of memory is read from the container's `OOMKilled` status. A finished pod cannot be
+exec'd into, so when the harness declared artifact files the runner holds the pod (`holding`, at
+most `artifact_hold_s`): the log is no longer followed, each file is read by an exec of the runner
+(`--send-file`, its raw bytes on the stdout channel), and release tells the runner to end the hold
+(`kill -USR1`) before it deletes the Job with `propagationPolicy: Background` (its pod goes with it).
 
 The client is synchronous: its calls run in a thread pool of the backend's own, sized for the log
 followers (one per running case) plus the polls.
@@ -33,7 +36,7 @@ import os
 import re
 import secrets as token
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -49,12 +52,17 @@ from kubernetes.client.exceptions import ApiException
 from evalbus_contracts import CaseRequested, PromptSnapshot, Snapshot
 from evalbus_contracts.runner import (
     JOB_ENV,
+    SEND_MISSING,
+    SEND_NOT_A_FILE,
+    SEND_TOO_LARGE,
+    Holding,
     RunnerCheck,
     RunnerJob,
 )
 from evalbus_contracts.specs import ComputeSpec
 from evalbus_dispatcher.backends.base import (
     Capacity,
+    FileUnreadable,
     HarnessRun,
     LiveExec,
     Mark,
@@ -66,7 +74,19 @@ from evalbus_dispatcher.backends.base import (
 )
 from evalbus_dispatcher.backends.job_log import JobLog, LineSplitter, UnitEnd
 from evalbus_dispatcher.backends.job_spec import label_value, run_of, runner_checks, runner_job
-from evalbus_dispatcher.backends.kubernetes_exec import ApiAccess, ExecError, ExecShell, connect, exec_url, run_once
+from evalbus_dispatcher.backends.kubernetes_exec import (
+    ERROR,
+    STDERR,
+    STDOUT,
+    ApiAccess,
+    ExecError,
+    ExecShell,
+    connect,
+    exec_frames,
+    exec_url,
+    exit_code,
+    run_once,
+)
 from evalbus_dispatcher.errors import BackendError
 from evalbus_grading import ExecResult
 
@@ -93,6 +113,8 @@ DEFAULT_DATA_KEY = "value"
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 _LOG_CHUNK = 64 * 1024
+FILE_IDLE_S = 60.0
+"""Longest a file's exec may send nothing before its read fails."""
 _EPOCH = datetime.min.replace(tzinfo=UTC)
 
 
@@ -144,6 +166,9 @@ class JobTemplate:
     """The cluster removes a finished Job after this, should the dispatcher not (it died)."""
     service_account: str | None = None
     """The pods' service account (None: the namespace's default; its token is not mounted)."""
+    artifact_hold_s: float = 120.0
+    """Longest the runner keeps a finished harness's pod alive for the dispatcher to read the files
+    it declared (`RunnerJob.hold_s`; 0: never, and declared files are not collected)."""
 
 
 def network_none_policy(namespace: str) -> dict[str, Any]:
@@ -160,7 +185,7 @@ def network_none_policy(namespace: str) -> dict[str, Any]:
 def job_manifest(job: CaseRequested, run_id: str, name: str, template: JobTemplate) -> dict[str, Any]:
     """The `batch/v1` Job for one execution of a case attempt."""
     harness = job.harness
-    spec = runner_job(job, run_id)
+    spec = runner_job(job, run_id, hold_s=template.artifact_hold_s)
     env: list[dict[str, Any]] = [{"name": JOB_ENV, "value": msgspec.json.encode(spec).decode("utf-8")}]
     env += [
         {"name": var, "valueFrom": {"secretKeyRef": secret_ref(secret, var)}}
@@ -173,7 +198,7 @@ def job_manifest(job: CaseRequested, run_id: str, name: str, template: JobTempla
     if job.batch_id is not None:
         annotations["evalbus.dev/batch"] = job.batch_id
     checks_s = sum(c.timeout_s for c in spec.checks)
-    deadline = math.ceil(template.start_timeout_s + spec.timeout_s + checks_s + 120)
+    deadline = math.ceil(template.start_timeout_s + spec.timeout_s + checks_s + spec.hold_s + 120)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
@@ -622,6 +647,7 @@ class KubernetesSandbox:
         self._changed = asyncio.Event()
         self._watch: Any = None
         self._watching: asyncio.Future[None] | None = None
+        self._held: Holding | None = None
 
     @property
     def unit(self) -> str | None:
@@ -713,8 +739,8 @@ class KubernetesSandbox:
         await self._say("submitted", f"Job {self.name} submitted to namespace {self._backend.template.namespace}")
         started = time.monotonic()
         limit = self._backend.template.start_timeout_s
-        spec = runner_job(self._job, run_of(self._job))
-        self._start_watch(limit + spec.timeout_s + sum(c.timeout_s for c in spec.checks) + 120.0)
+        spec = runner_job(self._job, run_of(self._job), hold_s=self._backend.template.artifact_hold_s)
+        self._start_watch(limit + spec.timeout_s + sum(c.timeout_s for c in spec.checks) + spec.hold_s + 120.0)
         try:
             return await self._run(on_output, on_spawn, started, limit, spec)
         finally:
@@ -748,10 +774,15 @@ class KubernetesSandbox:
 
         job_log = self._log = JobLog(on_output, spawned)
         lines = LineSplitter()
-        await self._follow(job_log, lines, spec.timeout_s + sum(c.timeout_s for c in spec.checks) + 120.0)
-        final = await self._settled()
-        await self._catch_up(job_log, lines)
+        await self._follow(job_log, lines, spec.timeout_s + sum(c.timeout_s for c in spec.checks) + spec.hold_s + 120.0)
+        followed_to_hold = job_log.holding is not None
+        final = self._placement if followed_to_hold else await self._settled()
+        if not followed_to_hold:
+            await self._catch_up(job_log, lines)
         self._running = False
+        if job_log.holding is not None:  # the runner reported everything and keeps the pod for its files
+            self._held = job_log.holding
+            return job_log.harness_run(UnitEnd(exit_code=None), time.monotonic() - ran_from)
         end = UnitEnd(
             exit_code=final.exit_code,
             reason=final.reason,
@@ -821,6 +852,8 @@ class KubernetesSandbox:
             for line in lines.push(chunk):
                 await job_log.line(line)
             self._received += before + len(chunk) - len(lines.rest)
+            if job_log.holding is not None:
+                return  # the pod is held: its log ends only with it (the reader ends at release)
         await self._follower
 
     async def _catch_up(self, job_log: JobLog, lines: LineSplitter) -> None:
@@ -893,8 +926,62 @@ class KubernetesSandbox:
     def kill_group(self, pgid: int) -> None:
         """Nothing to do: an exec's processes end with its connection."""
 
-    async def _open(self, command: list[str], *, tty: bool, stdin: bool = False) -> aiohttp.ClientWebSocketResponse:
-        if not self._running or self._pod is None:
+    async def open_file(self, rel: str, *, max_bytes: int) -> AsyncIterator[bytes]:
+        """The workdir's file `rel`, from the pod the runner holds, by an exec of the runner
+        (`--send-file`: it checks the path as the local backend does and writes the bytes to stdout);
+        `FileUnreadable` when it is missing, no regular file, too large, or the pod is not held."""
+        self._check_live()
+        if self._held is None or self._pod is None:
+            hold = self._backend.template.artifact_hold_s
+            why = "the Job's artifact hold is off (artifact_hold_s 0)" if hold <= 0 else "the runner did not hold it"
+            raise FileUnreadable(f"the pod ended before its files could be read: {why}")
+        argv = [*self._backend.template.runner_command, "--workdir", "work", "--send-file", rel,
+                "--max-bytes", str(max_bytes)]  # fmt: skip
+        try:
+            ws = await self._open(argv, tty=False, held=True)
+        except BackendError as e:
+            raise FileUnreadable(f"the pod cannot be read: {e.message}") from e
+        frames = exec_frames(ws, FILE_IDLE_S)
+        stderr = bytearray()
+        handed = False
+        try:
+            async for channel, data in frames:  # until the first bytes, or the runner's refusal
+                if channel == STDOUT and data:
+                    handed = True
+                    return _file_blocks(data, frames, max_bytes)
+                if channel == STDERR:
+                    stderr.extend(data[:4096])
+                elif channel == ERROR:
+                    code = exit_code(data)
+                    if code == 0:
+                        return _no_blocks()  # an empty file
+                    raise _refusal(code, stderr.decode("utf-8", errors="replace"), max_bytes)
+        except TimeoutError as e:
+            raise FileUnreadable(f"the pod sent nothing for {FILE_IDLE_S:g}s") from e
+        except aiohttp.ClientError as e:
+            raise FileUnreadable(f"the exec connection failed: {e}") from e
+        finally:
+            if not handed:
+                await frames.aclose()  # the connection with it
+        raise FileUnreadable("the exec ended without the runner's status")
+
+    async def _release_hold(self) -> None:
+        """Tell the holding runner the files are read (SIGUSR1: it says `done` and exits at once)."""
+        held = self._held
+        if held is None or self._pod is None:
+            return
+        try:
+            ws = await self._open(["/bin/sh", "-c", f"kill -USR1 {held.pid}"], tty=False, held=True)
+            await run_once(ws, 10.0, 4096)
+        except Exception as e:  # deleting the Job ends the hold too (SIGTERM), only later
+            log.info("ending the hold of %s failed: %s", self._pod, e)
+        finally:
+            self._held = None
+
+    async def _open(
+        self, command: list[str], *, tty: bool, stdin: bool = False, held: bool = False
+    ) -> aiohttp.ClientWebSocketResponse:
+        if not (self._running or (held and self._held is not None)) or self._pod is None:
             raise BackendError("the case's container is not running", code="not_running", retryable=False)
         backend = self._backend
         url = exec_url(backend.access, backend.template.namespace, self._pod, CONTAINER, command, stdin=stdin, tty=tty)
@@ -911,6 +998,7 @@ class KubernetesSandbox:
         self._running = False
         self._stop_watch()
         try:
+            await self._release_hold()
             await self._backend.delete(self.name)
         finally:
             if self._response is not None:
@@ -923,6 +1011,54 @@ class KubernetesSandbox:
     def _check_live(self) -> None:
         if self._released:
             raise BackendError("the sandbox was already released", code="released", retryable=False)
+
+
+async def _file_blocks(
+    first: bytes, frames: AsyncGenerator[tuple[int, bytes], None], max_bytes: int
+) -> AsyncIterator[bytes]:
+    """The file's bytes from an exec of `--send-file`: `first`, then the stdout channel to the
+    runner's status; `BackendError` when it failed midway, or sent more than `max_bytes`."""
+    seen = len(first)
+    if first:
+        yield first
+    code: int | None = None
+    try:
+        async for channel, data in frames:
+            if channel == STDOUT and data:
+                seen += len(data)
+                if seen > max_bytes:
+                    raise FileUnreadable.too_large(seen, max_bytes)
+                yield data
+            elif channel == ERROR:
+                code = exit_code(data)
+    except TimeoutError as e:
+        raise BackendError(f"the pod sent nothing for {FILE_IDLE_S:g}s", code="file_read_failed") from e
+    except aiohttp.ClientError as e:
+        raise BackendError(f"the exec connection failed: {e}", code="file_read_failed") from e
+    finally:
+        await frames.aclose()
+    if code != 0:
+        why = "without a status" if code is None else f"with exit code {code}"
+        raise BackendError(f"reading the file from the pod ended {why}", code="file_read_failed")
+
+
+async def _no_blocks() -> AsyncIterator[bytes]:
+    """An empty file's blocks."""
+    none: tuple[bytes, ...] = ()
+    for block in none:
+        yield block
+
+
+def _refusal(code: int, stderr: str, max_bytes: int) -> FileUnreadable:
+    """The runner's `--send-file` exit code as the reason a file is not given."""
+    if code == SEND_MISSING:
+        return FileUnreadable.missing()
+    if code == SEND_NOT_A_FILE:
+        return FileUnreadable.not_a_file()
+    size = re.search(r"size=(\d+)", stderr)
+    if code == SEND_TOO_LARGE and size is not None:
+        return FileUnreadable.too_large(int(size.group(1)), max_bytes)
+    return FileUnreadable(f"the runner could not send it (exit {code}): {stderr.strip()[-500:]}")
 
 
 def connect_cluster(

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import json
 import ssl
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
@@ -144,6 +144,29 @@ async def run_once(ws: aiohttp.ClientWebSocketResponse, timeout_s: float, cap_by
     if timed_out:
         return Collected(exit_code=124, stdout=bytes(out), stderr=bytes(err), timed_out=True)
     return Collected(exit_code=1 if code is None else code, stdout=bytes(out), stderr=bytes(err), timed_out=False)
+
+
+async def exec_frames(
+    ws: aiohttp.ClientWebSocketResponse, idle_timeout_s: float
+) -> AsyncGenerator[tuple[int, bytes], None]:
+    """Every (channel, data) of a command's binary messages, as they come, up to and including its
+    status (the error channel) or the connection's end; the connection is closed once done (or
+    when the reader stops). `TimeoutError` when nothing came for `idle_timeout_s`."""
+    try:
+        while True:
+            async with asyncio.timeout(idle_timeout_s):
+                msg = await ws.receive()
+            if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED,
+                            aiohttp.WSMsgType.ERROR):  # fmt: skip
+                return
+            if msg.type != aiohttp.WSMsgType.BINARY or not msg.data:
+                continue
+            channel, data = msg.data[0], bytes(msg.data[1:])
+            yield channel, data
+            if channel == ERROR:
+                return
+    finally:
+        await ws.close()
 
 
 class ExecShell:

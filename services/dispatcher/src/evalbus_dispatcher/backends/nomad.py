@@ -14,6 +14,10 @@ timestamp. A task that cannot start (`Driver Failure`, a template whose variable
 the run at once, with that evidence in the marks. The stdout log is read by offset through the
 client fs/logs API while the task runs; out of memory is the `Terminated` event's `oom_killed`.
 Release deregisters the job with `purge=true`. Exec and the terminal use the alloc exec WebSocket.
+A declared file is read from the ended allocation's directory (kept until it is garbage-collected;
+the release comes after) through the client filesystem API: `fs/stat` (a file, its size; links
+followed), `fs/ls` of its folder (the entry itself is no link), `fs/cat` for one block, `fs/readat`
+by offset and limit for a larger file.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import re
 import secrets as token
 import shlex
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -45,6 +49,7 @@ from evalbus_contracts.runner import JOB_ENV
 from evalbus_contracts.specs import ComputeSpec
 from evalbus_dispatcher.backends.base import (
     Capacity,
+    FileUnreadable,
     HarnessRun,
     LiveExec,
     Mark,
@@ -67,6 +72,8 @@ START_FAILURES = ("Driver Failure", "Failed Validation", "Setup Failure", "Faile
 """Task event types after which the task will not start."""
 _VAR_NAME = re.compile(r"^[A-Za-z0-9_.~-]+(/[A-Za-z0-9_.~-]+)*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+FS_BLOCK = 1024 * 1024
+"""Bytes of a declared file read per `fs/readat` request (one `fs/cat` when it is no larger)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -623,6 +630,33 @@ class NomadSandbox:
         self._check_live()
         return self._log.snapshot(answer) if self._log is not None else PromptSnapshot(output=answer)
 
+    async def open_file(self, rel: str, *, max_bytes: int) -> AsyncIterator[bytes]:
+        """The workdir's file `rel` (`case/local/work/<rel>` in the allocation directory) through the
+        client filesystem API; `FileUnreadable` when it is missing, no regular file, larger than
+        `max_bytes`, or the allocation is gone."""
+        self._check_live()
+        if self._alloc is None:
+            raise FileUnreadable("the job never had an allocation")
+        alloc, path = self._alloc, f"{TASK}/local/work/{rel}"
+        fs = self._backend.client.client
+        parent, _, leaf = path.rpartition("/")
+        try:
+            response = await self._backend.call(fs.stat.request, alloc, params={"path": path}, method="get")
+            stat = response.json()
+            listed = await self._backend.call(fs.ls.request, alloc, params={"path": parent}, method="get")
+            entry = next((e for e in listed.json() if isinstance(e, dict) and e.get("Name") == leaf), {})
+        except nomad.api.exceptions.BaseNomadException as e:
+            raise _fs_refusal(e) from e
+        except (requests.RequestException, ValueError) as e:
+            raise FileUnreadable(f"the Nomad client cannot be read: {e}") from e
+        is_file = isinstance(stat, dict) and not stat.get("IsDir") and str(stat.get("FileMode", "")).startswith("-")
+        if not is_file or not str(entry.get("FileMode", "")).startswith("-"):  # `L…`: a link
+            raise FileUnreadable.not_a_file()
+        size = int(stat.get("Size") or 0)
+        if size > max_bytes:
+            raise FileUnreadable.too_large(size, max_bytes)
+        return _fs_blocks(self._backend, alloc, path, size)
+
     async def exec_live(
         self, command: str, timeout_s: float, *, cap_bytes: int, on_spawn: OnSpawn | None = None
     ) -> LiveExec:
@@ -751,6 +785,41 @@ class NomadShell:
         except aiohttp.ClientError:
             return None
         return self._code
+
+
+def _fs_refusal(e: Any) -> FileUnreadable:
+    """A client filesystem API error as the reason a file is not given."""
+    response = getattr(e, "nomad_resp", None)
+    status = getattr(response, "status_code", None)
+    text = (getattr(response, "text", "") or str(e)).strip()
+    if "unknown allocation" in text.lower():
+        return FileUnreadable("the allocation is gone (garbage-collected) before its files were read")
+    if status == 404 or "no such file" in text.lower():
+        return FileUnreadable.missing()
+    if "escapes" in text.lower():  # a link leading out of the allocation directory
+        return FileUnreadable.not_a_file()
+    return FileUnreadable(f"the Nomad client did not give it: {status} {text[:300]}")
+
+
+async def _fs_blocks(backend: NomadBackend, alloc: str, path: str, size: int) -> AsyncIterator[bytes]:
+    """`size` bytes of the file: one `fs/cat` when it fits a block, else `fs/readat` block by block."""
+    fs = backend.client.client
+    offset = 0
+    while offset < size:
+        try:
+            if size <= FS_BLOCK:
+                response = await backend.call(fs.cat.request, alloc, params={"path": path}, method="get")
+            else:
+                limit = min(FS_BLOCK, size - offset)
+                params = {"path": path, "offset": offset, "limit": limit}
+                response = await backend.call(fs.read_at.request, alloc, params=params, method="get")
+        except (nomad.api.exceptions.BaseNomadException, requests.RequestException) as e:
+            raise BackendError(f"reading {path} failed at byte {offset}: {e}", code="file_read_failed") from e
+        data: bytes = response.content
+        if not data:
+            raise BackendError(f"{path} ended at byte {offset} of {size}", code="file_read_failed")
+        offset += len(data)
+        yield data
 
 
 def connect_nomad(template: NomadTemplate, *, address: str, token_value: str | None = None, slots: int = 4,
