@@ -6,7 +6,6 @@ audience rule."""
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -74,18 +73,19 @@ dispatchers' statuses on its own watch, so one may be a message behind the other
 
 
 async def both(gateways: tuple[RunningGateway, RunningGateway], run_id: str) -> RunPlacement:
-    """The placement as both replicas give it, once they agree (asserted equal within `AGREE_S`)."""
-    deadline = asyncio.get_running_loop().time() + AGREE_S
-    while True:
-        answers = []
+    """The placement as both replicas give it, once they agree (within `AGREE_S`)."""
+    answers: list[RunPlacement] = []
+
+    async def agree() -> bool:
+        answers.clear()
         for gw in gateways:
             code, body = await placement(gw, run_id)
             assert code == 200, body
             answers.append(decode(body, RunPlacement))
-        if answers[0] == answers[1] or asyncio.get_running_loop().time() > deadline:
-            break
-        await asyncio.sleep(0.02)  # polling an observable condition with a deadline
-    assert answers[0] == answers[1]
+        return answers[0] == answers[1]
+
+    await eventually(agree, timeout_s=AGREE_S, what="both gateway replicas to give the same placement",
+                     diagnostics=lambda: f"{answers[0]}\n!=\n{answers[1]}")  # fmt: skip
     return answers[0]
 
 
