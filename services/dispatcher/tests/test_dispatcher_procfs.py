@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from evalbus_dispatcher.backends.procfs import group_usage, oom_kills, oom_verdict, tree_usage
+from evalbus_dispatcher.backends.procfs import (
+    group_alive,
+    group_usage,
+    members_usage,
+    oom_kills,
+    oom_verdict,
+    tree_usage,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -45,6 +52,44 @@ async def test_group_usage_sums_the_processes_of_a_real_group() -> None:
         await proc.wait()
     assert tree_usage(proc.pid) is None  # the leader is gone: only a scan of every process can tell
     assert group_usage(2**22 + 7) is None  # no such group
+
+
+async def test_members_left_by_a_dead_leader_are_read_from_the_trees_they_were_reparented_to() -> None:
+    # The leader starts a member of its group holding memory, says its pid, and exits: the member
+    # lives on under another parent (a subreaper's child, in the dispatcher), outside the leader's tree.
+    child = "import time; b = b'y' * (40 * 2**20); print('child up', flush=True); time.sleep(60)"
+    code = (
+        "import subprocess, sys; "
+        f"p = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=sys.stdout); print(p.pid, flush=True)"
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE, start_new_session=True
+    )
+    assert proc.stdout is not None
+    member = int(await proc.stdout.readline())
+    assert await proc.stdout.readline() == b"child up\n"
+    await proc.wait()  # the leader is gone and reaped
+    try:
+        assert tree_usage(proc.pid) is None
+        usage = members_usage(proc.pid, [os.getpid(), member])  # a root outside the group is passed over
+        assert usage is not None
+        assert usage.processes == 1
+        assert usage.rss_bytes > 40 * 2**20
+        scanned = group_usage(proc.pid)  # the scan of every process agrees
+        assert scanned is not None
+        assert scanned.processes == 1
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+async def test_a_group_is_alive_until_its_last_process_is_reaped() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "import time; time.sleep(60)", start_new_session=True
+    )
+    assert group_alive(proc.pid)
+    proc.kill()
+    await proc.wait()  # reaped here: nothing of the group is left
+    assert not group_alive(proc.pid)
 
 
 def test_oom_kills_read_from_cgroup_v1_and_v2(tmp_path: Path) -> None:

@@ -86,7 +86,7 @@ class Sampler:
             if self._quick is not None:  # on the loop when the backend can tell at once
                 found = self._quick()
                 if found is not None:
-                    return found
+                    return found if found.processes else None  # none of it left
             return await asyncio.to_thread(self._usage)
         except Exception:
             log.warning("reading the sandbox's usage failed", exc_info=True)

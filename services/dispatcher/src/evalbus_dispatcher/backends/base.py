@@ -180,7 +180,8 @@ class QuickUsage(Protocol):
 
     def quick_usage(self) -> UnitUsage | None:
         """`usage()` when it can be read at once on the event loop; None when only the blocking
-        `usage()` can tell (the sampler then calls that in a thread)."""
+        `usage()` can tell (the sampler then calls that in a thread). A reading of no processes
+        says that none of the unit is left (what `usage()` answers with None)."""
         ...
 
 

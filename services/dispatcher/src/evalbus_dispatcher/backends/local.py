@@ -617,11 +617,17 @@ class LocalSandbox:
         or once none of it is left)."""
         if self._pgid is None:
             return None
-        # the tree under a live leader: a few reads; the whole of /proc only once the leader is gone
+        # the tree under a live leader: a few reads; once the leader is gone, the trees of this
+        # process's children when it is their subreaper (members left were re-parented to it),
+        # else the whole of /proc (a /bin/echo case is over before its first sample: that scan
+        # of every process was most of the dispatcher's CPU per command case)
         quick = self.quick_usage()
         if quick is not None or self._workers is not None:
-            return quick
-        found = procfs.group_usage(self._pgid)
+            return quick if quick is None or quick.processes else None
+        if self._adopting:
+            found = procfs.members_usage(self._pgid, orphans.children())
+        else:
+            found = procfs.group_usage(self._pgid)
         if found is None:
             return None
         return UnitUsage(
@@ -629,14 +635,17 @@ class LocalSandbox:
         )
 
     def quick_usage(self) -> UnitUsage | None:
-        """`usage()` when it costs a few reads: a warm worker's own stat file, or the tree under a
-        live leader (None once the leader is gone: that needs the whole of /proc)."""
+        """`usage()` when it costs a few reads: a warm worker's own stat file, the tree under a live
+        leader, or (as the subreaper of its children) one signal-0 saying the group is empty once
+        the leader is gone; None when only `usage()` can tell (members left by a dead leader)."""
         if self._pgid is None:
             return None
         if self._workers is not None:
             return self._workers.usage(self._pgid)
         found = procfs.tree_usage(self._pgid)
         if found is None:
+            if self._adopting and not procfs.group_alive(self._pgid):
+                return UnitUsage(pid=self._pgid, processes=0, rss_bytes=None, cpu_seconds=None)  # all gone
             return None
         return UnitUsage(
             pid=self._pgid, processes=found.processes, rss_bytes=found.rss_bytes, cpu_seconds=found.cpu_seconds

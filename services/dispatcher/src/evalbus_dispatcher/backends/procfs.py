@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,9 +81,34 @@ def tree_usage(pgid: int, proc: Path = PROC) -> GroupUsage | None:
     """What `group_usage` says, read from the process tree under the group's leader (its members'
     children, from `/proc/<pid>/task/<tid>/children`): a few reads where `group_usage` reads every
     process on the machine. None when the leader is gone or the kernel does not list children — then
-    only `group_usage` can tell (members whose parent died are reparented out of the tree)."""
+    `members_usage` (on a subreaper) or `group_usage` can tell (members whose parent died are
+    reparented out of the tree)."""
+    return _walk(pgid, [pgid], proc, leader=True)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group `pgid` is left (a signal 0 to the group: one system call)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, owned by another user
+    return True
+
+
+def members_usage(pgid: int, roots: Iterable[int], proc: Path = PROC) -> GroupUsage | None:
+    """What `group_usage` says once the group's leader is gone, read from the trees under `roots`
+    (a child subreaper's children: where the members whose parents died were re-parented, see
+    `orphans.py`) instead of every process on the machine. None when no member is left."""
+    found = _walk(pgid, list(roots), proc, leader=False)
+    return found if found is not None and found.processes else None
+
+
+def _walk(pgid: int, todo: list[int], proc: Path, *, leader: bool) -> GroupUsage | None:
+    """The members of group `pgid` in the trees under `todo` (a tree is followed through members
+    only); with `leader`, None when `pgid` itself is gone or its children are not listed."""
     processes = rss = ticks = 0
-    todo = [pgid]
     seen: set[int] = set()
     while todo:
         pid = todo.pop()
@@ -94,11 +120,11 @@ def tree_usage(pgid: int, proc: Path = PROC) -> GroupUsage | None:
             stat = _stat((base / "stat").read_text())
             tasks = list((base / "task").iterdir())
         except OSError:
-            if pid == pgid:
+            if leader and pid == pgid:
                 return None
             continue  # gone meanwhile
         if stat is None or stat.pgrp != pgid:
-            if pid == pgid:
+            if leader and pid == pgid:
                 return None
             continue
         processes += 1
@@ -108,7 +134,7 @@ def tree_usage(pgid: int, proc: Path = PROC) -> GroupUsage | None:
             try:
                 todo.extend(int(child) for child in (task / "children").read_text().split())
             except FileNotFoundError:
-                if pid == pgid and task.name == str(pgid):
+                if leader and pid == pgid and task.name == str(pgid):
                     return None  # this kernel does not list children
             except (OSError, ValueError):
                 continue
