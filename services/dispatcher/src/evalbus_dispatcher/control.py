@@ -52,7 +52,7 @@ from evalbus_contracts.control import (
     TermPing,
     TermResize,
 )
-from evalbus_dispatcher.backends.base import Interactive, SandboxHandle, Shell
+from evalbus_dispatcher.backends.base import SandboxHandle, Shell, is_interactive
 from evalbus_dispatcher.errors import BackendError
 
 log = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ class _RunControls:
         except msgspec.DecodeError as e:
             await self._respond(msg, encode(ExecReply(found=True, stderr=f"unreadable exec request: {e}", exit_code=2)))
             return
-        if self._closing or not isinstance(self._handle, Interactive):
+        if self._closing or not is_interactive(self._handle):
             await self._respond(msg, encode(ExecReply(found=False)))
             return
         current = asyncio.current_task()
@@ -205,7 +205,7 @@ class _RunControls:
         except msgspec.DecodeError as e:
             await self._respond(msg, encode(TerminalOpened(found=False, reason=f"unreadable request: {e}")))
             return
-        if self._closing or not isinstance(self._handle, Interactive):
+        if self._closing or not is_interactive(self._handle):
             await self._respond(msg, encode(TerminalOpened(found=False, reason=RELEASED)))
             return
         out_subject = subjects.terminal_subject(req.session, "out")
@@ -309,7 +309,7 @@ class _RunControls:
             _, stuck = await asyncio.wait(set(self._watchers), timeout=5.0)
             for task in stuck:
                 task.cancel()
-        if isinstance(self._handle, Interactive):
+        if is_interactive(self._handle):
             for groups in self._execs.values():
                 for pgid in groups:
                     self._handle.kill_group(pgid)

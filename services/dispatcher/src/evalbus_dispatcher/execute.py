@@ -52,7 +52,7 @@ from evalbus_contracts import (
 )
 from evalbus_contracts.results import FailureClass, FailureStage
 from evalbus_dispatcher.artifacts import RunObjects, is_declaration
-from evalbus_dispatcher.backends.base import Backend, HarnessRun, QuickUsage, SandboxHandle
+from evalbus_dispatcher.backends.base import Backend, HarnessRun, SandboxHandle, has_quick_usage
 from evalbus_dispatcher.collect import TracePuller, trace_ref_for
 from evalbus_dispatcher.errors import BackendError
 from evalbus_dispatcher.harness_output import complete_trace, log_tail, parse_stdout
@@ -298,7 +298,7 @@ class _Execution:
             node=self._node,
             timeout_s=timeout_s,
             interval_s=self.sample_interval_s,
-            quick=handle.quick_usage if isinstance(handle, QuickUsage) else None,
+            quick=handle.quick_usage if has_quick_usage(handle) else None,
         )
 
         async def spawned(pid: int) -> None:

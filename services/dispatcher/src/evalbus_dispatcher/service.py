@@ -47,7 +47,7 @@ from evalbus_contracts.control import TERMINAL_PING_S
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import CASES, DISPATCHER_BATCHES, LIVE
 from evalbus_dispatcher.artifacts import RunObjects
-from evalbus_dispatcher.backends.base import Mark, Observed, SandboxHandle
+from evalbus_dispatcher.backends.base import Mark, SandboxHandle, is_observed
 from evalbus_dispatcher.backends.docker import DockerBackend, DockerTemplate, connect_docker
 from evalbus_dispatcher.backends.kubernetes import JobTemplate, KubernetesBackend, connect_cluster
 from evalbus_dispatcher.backends.local import LocalBackend, sweep_orphans
@@ -445,7 +445,7 @@ def docker_backend(settings: DispatcherSettings, secrets: SecretStore) -> Docker
 
 def observed(handle: SandboxHandle, mark: Mark) -> SandboxHandle:
     """`handle`, reporting its orchestrator's placement to the run's marks when it has one."""
-    if isinstance(handle, Observed):
+    if is_observed(handle):
         handle.observe(mark)
     return handle
 
