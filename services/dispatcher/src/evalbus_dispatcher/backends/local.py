@@ -697,7 +697,9 @@ class LocalSandbox:
             return HarnessRun(
                 exit_code=None, stdout="", stderr="", spawn_error=self._redact(f"cannot start {argv[0]!r}: {e}")
             )
-        oom = procfs.oom_verdict(exited.signal, timed_out=exited.timed_out, before=oom_before, after=procfs.oom_kills())
+        killed = exited.signal == signal.SIGKILL and not exited.timed_out  # only then can it be the OOM killer
+        after = procfs.oom_kills() if killed else None
+        oom = procfs.oom_verdict(exited.signal, timed_out=exited.timed_out, before=oom_before, after=after)
         return HarnessRun(
             exit_code=exited.exit_code,
             stdout=exited.stdout.text(),
