@@ -26,7 +26,7 @@ import nats.errors
 import pytest
 from kubernetes import client as k8s
 from nats.aio.msg import Msg
-from tests.test_deploy_nats_live import SecureNats, connect_as, start_secure_nats
+from tests.test_deploy_nats_live import SecureNats, connect_as, running, start_secure_nats
 
 from evalbus.infra import nats_accounts
 from evalbus.infra.nats import NatsServer
@@ -38,6 +38,7 @@ from evalbus.testing.fake_kubernetes import DEFAULT_IMAGE, FakeKubernetes
 from evalbus.testing.fake_nomad import FakeNomad
 from evalbus.testing.pipeline import eventually
 from evalbus_contracts import (
+    CaseExecuted,
     CasePlan,
     CaseRequested,
     CaseSpec,
@@ -63,8 +64,14 @@ from evalbus_dispatcher.backends.job_spec import RUNNER_PASSWORD_VAR, LiveHandof
 from evalbus_dispatcher.backends.kubernetes import JobTemplate, KubernetesBackend
 from evalbus_dispatcher.backends.nomad import NomadTemplate, connect_nomad
 from evalbus_dispatcher.harness_output import parse_line
-from evalbus_dispatcher.service import DispatcherSettings, LiveBus, kubernetes_backend, nomad_backend
-from evalbus_runtime import Publisher, ensure_topology
+from evalbus_dispatcher.service import (
+    DispatcherSettings,
+    LiveBus,
+    build_dispatcher,
+    kubernetes_backend,
+    nomad_backend,
+)
+from evalbus_runtime import Publisher, Service, ensure_topology
 from evalbus_runtime.secrets import SecretStore
 
 pytestmark = [pytest.mark.integration]
@@ -485,3 +492,52 @@ def test_the_dispatcher_settings_for_the_runners_nats() -> None:
         kubernetes_backend(bad)
     with pytest.raises(ValueError, match="DISPATCHER_RUNNER_NATS_SECRET: secret 'Not A Secret Name!'"):
         nomad_backend(bad)
+
+
+async def test_the_dispatcher_service_hands_the_live_view_to_the_runner(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """The wiring: `DISPATCHER_RUNNER_NATS_URL` on a Kubernetes dispatcher (the fake cluster, the
+    session's nats-server, no password) — a case published on the bus runs, its live log arrives
+    once, from the runner, and `case.executed` follows."""
+    async with FakeKubernetes() as fake:
+        fake.add_node("node-a", cpu=2, memory="2Gi")
+        fake.add_secret("api-key", {"value": API_KEY})
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            "apiVersion: v1\nkind: Config\ncurrent-context: fake\n"
+            f"clusters: [{{name: fake, cluster: {{server: '{fake.url}'}}}}]\n"
+            "users: [{name: me, user: {}}]\ncontexts: [{name: fake, context: {cluster: fake, user: me}}]\n"
+        )
+        settings = DispatcherSettings(
+            service="dispatcher", nats_url=nats_server.url, http_port=0, backend="kubernetes",
+            kubeconfig=str(kubeconfig), image=DEFAULT_IMAGE, cluster_poll_s=0.05, slots=1, slots_from_room=False,
+            workdir_root=str(tmp_path / "work"), runner_nats_url=nats_server.url,
+        )  # fmt: skip
+        service = Service(settings)
+        build_dispatcher(service, settings)
+        req = case_request("service")
+        run_id = req.run_id or ""
+        async with running(service), hearing(nats_server.url, run_id) as heard:
+            nc = await nats.connect(nats_server.url)
+            executed: asyncio.Queue[Event] = asyncio.Queue()
+
+            async def on_executed(msg: Msg) -> None:
+                await executed.put(decode_event(msg.data))
+
+            await nc.subscribe(f"case.executed.{req.batch_id}.>", cb=on_executed)
+            publisher = Publisher(nc)
+            await publisher.publish_event(req)
+            done = await asyncio.wait_for(executed.get(), 60)
+            await publisher.stop()
+            await nc.close()
+            await eventually(
+                lambda: _true(heard.log_lines("stdout") == STDOUT_LINES), timeout_s=10, what="the live log"
+            )
+        assert isinstance(done, CaseExecuted)
+        assert done.status == "succeeded", done.result.failure
+        assert done.result.answer == "42"
+        (spec,) = [job_spec_of("kubernetes", job) for job in fake.created_jobs]
+        assert spec.live is not None
+        assert spec.live.execution == heard.logs()[0].execution
+        assert fake.violations == []
