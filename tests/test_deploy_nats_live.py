@@ -64,7 +64,7 @@ from evalbus_runtime.objects import object_info, put_object
 pytestmark = [pytest.mark.integration]
 
 NATS = Path(__file__).resolve().parents[1] / "deploy" / "nats"
-USERS = ("gateway", "dispatcher", "collector", "judge", "exporter", "ingest", "admin", "sys")
+USERS = ("gateway", "dispatcher", "collector", "judge", "exporter", "ingest", "runner", "admin", "sys")
 
 
 @dataclass(frozen=True)

@@ -178,6 +178,30 @@ SERVICES: tuple[ServiceUser, ...] = (
 )
 
 
+# ---------------------------------------------------------------- the in-job runner
+
+RUNNER_USER = "runner"
+"""The user the in-job runners publish the live log and trace as (`evalbus_contracts.runner.RUNNER_USER`)."""
+
+RUNNER_PUBLISHES: tuple[Grant, ...] = (
+    Grant("run.*.live.log", "a case job's live log, published by its runner (LiveLog)"),
+    Grant("run.*.live.trace", "a case job's live trace events (LiveTrace)"),
+)
+"""Everything a runner may publish: core NATS publishes into the LIVE stream's log and trace
+subjects, no JetStream API (it reads no stream, creates no consumer, publishes no case or batch
+event, no infra mark or placement sample: those stay the dispatcher's)."""
+
+
+def render_runner_permissions() -> list[str]:
+    """The runner user's permissions block: publish the live log and trace, subscribe to nothing
+    (not even replies: a core publish needs none)."""
+    lines = ["RUNNER_PERMISSIONS = {", "  publish: {", "    allow: ["]
+    lines += _grant_lines(list(RUNNER_PUBLISHES), "      ")
+    lines += ["    ]", "  }", "  subscribe: {", "    deny: [", '      ">"  # no stream, no request, no reply', "    ]"]
+    lines += ["  }", "}", ""]
+    return lines
+
+
 # ---------------------------------------------------------------- lanes
 
 LANE_USER_PREFIX = "lane-"
@@ -345,7 +369,8 @@ def render(lanes: dict[str, str | None] | None = None) -> str:
         "# One account for evalbus with JetStream, one user per service (least privilege: each may",
         "# publish only what it produces and subscribe only to what it consumes, plus its own",
         "# JetStream API calls), an `admin` user for operators and the evalbus CLI, an `ingest` user",
-        "# for applications that send observations (the Python Recorder), and the system account.",
+        "# for applications that send observations (the Python Recorder), a `runner` user for the",
+        "# in-job runners' live log and trace (DISPATCHER_RUNNER_NATS_SECRET), and the system account.",
         "# Passwords come from the environment (NATS_PASSWORD_<USER>), never from this file.",
         "",
     ]
@@ -382,6 +407,7 @@ def render(lanes: dict[str, str | None] | None = None) -> str:
         "  }",
         "}",
         "",
+        *render_runner_permissions(),
         "accounts: {",
         f"  {ACCOUNT}: {{",
         "    jetstream: enabled",
@@ -394,6 +420,7 @@ def render(lanes: dict[str, str | None] | None = None) -> str:
         )
     lines += [
         f"      {{user: ingest, password: ${password_variable('ingest')}, permissions: $INGEST_PERMISSIONS}}",
+        f"      {{user: {RUNNER_USER}, password: ${password_variable(RUNNER_USER)}, permissions: $RUNNER_PERMISSIONS}}",
         *(f"      {render_lane_user(lane, lanes[lane])}" for lane in sorted(lanes)),
         "      # operators and the evalbus CLI (dlq, replay, status): everything in this account",
         f"      {{user: admin, password: ${password_variable('admin')}}}",
@@ -413,7 +440,7 @@ def render(lanes: dict[str, str | None] | None = None) -> str:
 
 def users() -> list[str]:
     """Every user `render()` defines."""
-    return [u.name for u in SERVICES] + ["ingest", "admin", "sys"]
+    return [u.name for u in SERVICES] + ["ingest", RUNNER_USER, "admin", "sys"]
 
 
 def main(target: Path, argv: list[str] | None = None) -> int:

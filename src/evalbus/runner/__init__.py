@@ -8,7 +8,8 @@ harness (input on stdin and in `EVALBUS_INPUT_FILE`, killed past its timeout), t
 the job log as record lines (`evalbus_contracts.runner`), runs the compute graders' commands in the
 same workdir, records the workdir's git changes, and exits — the job ends at the last instruction
 that needs it. When the job spec asks (`hold_s`, Kubernetes) and the harness declared artifact
-files, it first holds the job alive (a `holding` record) until the dispatcher has read them.
+files, it first holds the job alive (a `holding` record) until the dispatcher has read them. With
+`live` in the job spec it publishes the live log and trace straight to NATS as well (`live.py`).
 """
 
 from evalbus.runner.run import run_job

@@ -55,10 +55,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _exec(command: str, workdir: Path) -> int:
-    """A live exec: the secrets to mask are the job's (`EVALBUS_JOB` in this environment)."""
+    """A live exec: the secrets to mask are the job's (`EVALBUS_JOB` in this environment), and the
+    runner's own NATS password."""
     secret_vars: tuple[str, ...] = ()
     with contextlib.suppress(msgspec.DecodeError):
-        secret_vars = msgspec.json.decode(os.environ.get(JOB_ENV, "") or "{}", type=_Secrets).secret_vars
+        named = msgspec.json.decode(os.environ.get(JOB_ENV, "") or "{}", type=_Secrets)
+        secret_vars = named.secret_vars
+        if named.live is not None and named.live.password_var:
+            secret_vars += (named.live.password_var,)
     return asyncio.run(
         exec_masked(
             command,
@@ -71,8 +75,13 @@ def _exec(command: str, workdir: Path) -> int:
     )
 
 
+class _LiveVar(msgspec.Struct, frozen=True):
+    password_var: str | None = None
+
+
 class _Secrets(msgspec.Struct, frozen=True):
     secret_vars: tuple[str, ...] = ()
+    live: _LiveVar | None = None
 
 
 def _write_err(line: str) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO, Literal
 from urllib.parse import quote
 
+from evalbus.runner.live import connect_live
 from evalbus_contracts import RepoSnapshot
 from evalbus_contracts.runner import (
     RECORD_TEXT_CAP,
@@ -91,6 +92,12 @@ def harness_environment(job: RunnerJob, environ: Mapping[str, str], input_file: 
     kept.append(f"{_RESOURCE_KEY}={quote(job.run_id, safe='-._~')}")
     env["OTEL_RESOURCE_ATTRIBUTES"] = ",".join(kept)
     return env
+
+
+def masked_values(job: RunnerJob, environ: Mapping[str, str]) -> list[str]:
+    """Values the runner masks besides the harness's secrets: its own NATS password (`job.live`)."""
+    var = job.live.password_var if job.live is not None else None
+    return [environ[var]] if var and environ.get(var) else []
 
 
 def _redactor(values: list[str]) -> Callable[[str], str]:
@@ -298,7 +305,7 @@ async def run_job(job: RunnerJob, *, workdir: Path, environ: Mapping[str, str], 
     """Run `job` in `workdir`, every record and harness stdout line to `write` (one line, no
     newline, each call); 0 once everything is reported (the harness's own exit is in a record)."""
     secrets = {var: environ[var] for var in job.secret_vars if var in environ}
-    redact = _redactor(list(secrets.values()))
+    redact = _redactor([*secrets.values(), *masked_values(job, environ)])
 
     def emit(record: Record) -> None:
         write(record_line(record))
@@ -320,20 +327,24 @@ async def run_job(job: RunnerJob, *, workdir: Path, environ: Mapping[str, str], 
             return 0
 
         declared: list[str] = []
+        live = await connect_live(job, environ)
 
         async def harness_line(stream: Stream, line: str) -> None:
             text = redact(line)
             if stream == "stderr":
-                emit(StderrLine(text=_cap(text)))
+                text = _cap(text)
+                emit(StderrLine(text=text))
             elif is_record_line(text):
                 emit(StdoutLine(text=text))  # escaped: a harness cannot forge records
             else:
                 if (ref := declared_file(text)) is not None:
                     declared.append(ref)
                 write(text)
+            if live is not None:
+                live.line(stream, text)
 
         def spawned(pid: int) -> None:
-            emit(Started(pid=pid, at=datetime.now(UTC)))
+            emit(Started(pid=pid, at=datetime.now(UTC), live="nats" if live is not None else "log"))
 
         try:
             ended = await _run(
@@ -349,6 +360,9 @@ async def run_job(job: RunnerJob, *, workdir: Path, environ: Mapping[str, str], 
             emit(Exited(exit_code=None, spawn_error=redact(f"cannot start {job.command[0]!r}: {e}")))
             emit(Done())
             return 0
+        finally:
+            if live is not None:
+                await live.close()  # the live view is complete once the harness ended
         emit(
             Exited(
                 exit_code=ended.exit_code,
@@ -363,8 +377,8 @@ async def run_job(job: RunnerJob, *, workdir: Path, environ: Mapping[str, str], 
         if snapshot is not None:
             emit(SnapshotTaken(snapshot=snapshot))
         if declared and job.hold_s > 0:
-            emit(Holding(files=tuple(declared), timeout_s=job.hold_s, pid=os.getpid()))
-            await hold(job.hold_s)
+            holding = Holding(files=tuple(declared), timeout_s=job.hold_s, pid=os.getpid())
+            await hold(job.hold_s, announce=lambda: emit(holding))
         emit(Done())
         return 0
     finally:
@@ -387,15 +401,18 @@ def declared_file(line: str) -> str | None:
     return ref if isinstance(ref, str) and ref else None
 
 
-async def hold(seconds: float) -> None:
+async def hold(seconds: float, announce: Callable[[], None] | None = None) -> None:
     """Wait `seconds`, or until SIGUSR1 or SIGTERM (the dispatcher has read the files, or the job is
-    being deleted) — whichever comes first."""
+    being deleted) — whichever comes first; `announce` is called once the signals are handled (so a
+    SIGUSR1 sent as soon as the `holding` record is read ends the hold instead of the runner)."""
     loop = asyncio.get_running_loop()
     released = asyncio.Event()
     signals = (signal.SIGUSR1, signal.SIGTERM)
     for sig in signals:
         loop.add_signal_handler(sig, released.set)
     try:
+        if announce is not None:
+            announce()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(released.wait(), seconds)
     finally:

@@ -13,7 +13,8 @@ only decides whether the pull succeeds): a pod is scheduled onto a node whose la
 `nodeSelector` and whose allocatable CPU/memory/GPUs minus the requests of the pods on it fit its
 requests — otherwise it stays Pending with a `FailedScheduling` event, and is placed once a node
 is added or a pod ends; an image not in `images` fails with `ErrImagePull` then `ImagePullBackOff`;
-a `secretKeyRef` to a missing secret gives `CreateContainerConfigError`; a container whose
+a `secretKeyRef` to a missing secret gives `CreateContainerConfigError` (an `optional` one leaves
+the variable out); a container whose
 processes together use more resident memory than its limit is killed (`OOMKilled`, exit 137); a
 Job past its `activeDeadlineSeconds` is killed (`DeadlineExceeded`). Logs (stdout and stderr merged,
 as the kubelet serves them) follow the process. Events carry real timestamps.
@@ -898,6 +899,8 @@ class FakeKubernetes:
             if ref is None:
                 continue
             data = self.secrets.get((pod.namespace, ref["name"]))
+            if (data is None or ref["key"] not in data) and ref.get("optional") is True:
+                continue  # an optional reference to a missing Secret or key: the variable is left out
             if data is None:
                 return f'secret "{ref["name"]}" not found'
             if ref["key"] not in data:

@@ -13,11 +13,16 @@ as Kubernetes merge the two streams in the job log), `exited`, `exec` (a compute
 and what it gave), `snapshot`, `holding` (the runner keeps the job alive so the dispatcher can
 read the files the harness declared), `done`. A reader decodes the log line by line; a torn record (cut
 by a log read while the job writes, or by a crash) is skipped, never fatal.
+
+With `RunnerJob.live` the runner also publishes the harness's live log and trace straight to NATS
+(`LiveLog`, `LiveTrace`, as the dispatcher would from the log) when it connects; its `started`
+record says so (`live: nats`), and the dispatcher then leaves the live view to it.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal
 
 import msgspec
 
@@ -44,6 +49,34 @@ class RunnerCheck(msgspec.Struct, frozen=True, kw_only=True):
     """Run with `sh -c` in the workdir, without the harness's secrets."""
     timeout_s: float
     """Killed past this (the record says `timed_out`)."""
+
+
+RUNNER_USER = "runner"
+"""The NATS user a runner publishes the live log and trace as (`deploy/nats/accounts.conf`: it may
+publish `run.*.live.log` and `run.*.live.trace`, nothing else)."""
+
+
+class RunnerLive(msgspec.Struct, frozen=True, kw_only=True):
+    """Where the runner publishes the run's live log and live trace itself (core NATS, best effort)
+    and how it continues the live view the dispatcher started: the same `LiveLog` / `LiveTrace`
+    payloads, subjects and sequence the dispatcher would publish from the job log."""
+
+    nats_url: str
+    """The NATS server as reachable from inside the job."""
+    user: str = RUNNER_USER
+    """The NATS user, when `password_var` gives a password (a user in the URL wins)."""
+    password_var: str | None = None
+    """The variable of the runner's environment the orchestrator put the user's password in, from its
+    own secret store (never its value); None: connect as the URL says."""
+    connect_timeout_s: float = 2.0
+    """Longest the runner waits for the connection before it leaves the live view to the job log."""
+    execution: str | None = None
+    """The dispatcher's id of this execution (`LiveLog.execution`, `LiveTrace.execution`)."""
+    offset: int = 0
+    """UTF-8 bytes of the run's live log before this execution's first chunk (`LiveLog.offset`)."""
+    t_offset: float = 0.0
+    """Seconds added to the `t` of the harness's trace events, to put them on the run's clock (the
+    dispatcher's, when it submitted the job)."""
 
 
 class RunnerJob(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
@@ -79,6 +112,9 @@ class RunnerJob(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     the job alive after the snapshot for at most this many seconds (a `holding` record says so)
     so the dispatcher can read them from the running job; it ends the hold with SIGUSR1 (or
     SIGTERM). 0: never hold (a backend that reads a finished job's files)."""
+    live: RunnerLive | None = None
+    """Publish the live log and trace straight to NATS when it can be reached (the `started` record
+    says whether it was); None: the job log is the live view's only source."""
 
 
 class _Record(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
@@ -92,6 +128,9 @@ class Started(_Record, frozen=True, kw_only=True, tag="started"):
     """Its process id inside the job."""
     at: datetime
     """When it started (UTC)."""
+    live: Literal["nats", "log"] = "log"
+    """Who publishes the live log and trace: the runner itself (`nats`, connected), or the
+    dispatcher from the job log (`log`: no `live` in the job spec, or NATS not reachable)."""
 
 
 class StdoutLine(_Record, frozen=True, kw_only=True, tag="stdout"):

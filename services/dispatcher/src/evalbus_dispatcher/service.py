@@ -2,7 +2,8 @@
 or `DISPATCHER_FANOUT`), execution of `case.requested` of the lanes it serves (`DISPATCHER_LANES`,
 one shared consumer per lane) on the local backend with compute slots (a replica pulls only when a
 slot is free, and gives the slot back the moment the sandbox is released), live output and placement
-samples to the LIVE stream, the replica's presence (slots, the runs holding them, its lanes) in the
+samples to the LIVE stream (a cluster job's runner may publish its live log and trace itself,
+`DISPATCHER_RUNNER_NATS_URL`), the replica's presence (slots, the runs holding them, its lanes) in the
 `dispatchers` bucket, cancellations honoured, job-mode trace collection through `evalbus_traces`,
 retries of retryable infrastructure failures."""
 
@@ -15,6 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar, Literal
+from urllib.parse import urlsplit
 
 import aiohttp
 import nats.errors
@@ -49,12 +51,14 @@ from evalbus_contracts.streams import CASES, DISPATCHER_BATCHES, LIVE
 from evalbus_dispatcher.artifacts import RunObjects
 from evalbus_dispatcher.backends.base import Mark, SandboxHandle, is_observed
 from evalbus_dispatcher.backends.docker import DockerBackend, DockerTemplate, connect_docker
-from evalbus_dispatcher.backends.kubernetes import JobTemplate, KubernetesBackend, connect_cluster
+from evalbus_dispatcher.backends.job_spec import RUNNER_PASSWORD_VAR, LiveHandoffs, RunnerNats
+from evalbus_dispatcher.backends.kubernetes import JobTemplate, KubernetesBackend, connect_cluster, secret_ref
 from evalbus_dispatcher.backends.local import LocalBackend, sweep_orphans
-from evalbus_dispatcher.backends.nomad import NomadBackend, NomadTemplate, connect_nomad
+from evalbus_dispatcher.backends.nomad import NomadBackend, NomadTemplate, connect_nomad, variable_template
 from evalbus_dispatcher.cancellation import cancelled_execution
 from evalbus_dispatcher.capacity import ROOM_INTERVAL_S, ClusterRoom
 from evalbus_dispatcher.control import LiveControls
+from evalbus_dispatcher.errors import BackendError
 from evalbus_dispatcher.execute import Queued, execute_case, run_id_of
 from evalbus_dispatcher.fanout import fan_out_batch
 from evalbus_dispatcher.placement import SAMPLE_INTERVAL_S
@@ -158,14 +162,37 @@ class DispatcherSettings(ServiceSettings):
     fanout: bool | None = None
     """Whether this replica fans batches out into cases (`dispatcher-batches`); unset: when it
     serves the default lane, so a GPU box or a laptop joining for its own lane does only its cases."""
+    runner_nats_url: str = ""
+    """On a cluster backend, the NATS URL as reachable from inside the case jobs: their runners publish
+    the live log and trace there themselves (empty: off, the dispatcher relays them from the job log).
+    No password in it: the URL is in every job spec."""
+    runner_nats_secret: str = ""
+    """The name of the secret holding the `runner` NATS user's password, resolved by the orchestrator
+    as a harness's `secret_env` names are (a Kubernetes Secret `name` or `name/key`, a Nomad Variable
+    under `nomad_variables_prefix`, the dispatcher's secret store on Docker); empty: none."""
 
     def __post_init__(self) -> None:
         if self.slots is not None and self.slots < 1:
             raise ValueError(f"DISPATCHER_SLOTS: at least 1, not {self.slots}")
+        if self.runner_nats_url:
+            parts = urlsplit(self.runner_nats_url)
+            if parts.scheme not in ("nats", "tls", "ws", "wss") or not parts.hostname:
+                raise ValueError(f"DISPATCHER_RUNNER_NATS_URL: a nats:// or tls:// URL, not {self.runner_nats_url!r}")
+            if parts.password:
+                raise ValueError(
+                    "DISPATCHER_RUNNER_NATS_URL: no password in the URL (it is in every job spec); name the secret "
+                    "holding it in DISPATCHER_RUNNER_NATS_SECRET"
+                )
         for lane in self.served_lanes():
             problem = lane_problem(lane)
             if problem is not None:
                 raise ValueError(f"DISPATCHER_LANES: {lane!r}: {problem}")
+
+    def runner_nats(self) -> RunnerNats | None:
+        """Where the runners publish the live view themselves (None: off)."""
+        if not self.runner_nats_url:
+            return None
+        return RunnerNats(url=self.runner_nats_url, secret=self.runner_nats_secret or None)
 
     def slot_count(self) -> int:
         """`slots`, or its default for the backend."""
@@ -198,8 +225,29 @@ class LiveBus:
         self._run_id = run_id_of(req)
         self._execution = new_event_id()[:16]
         self._seq = {"stdout": 0, "stderr": 0, "trace": 0, "infra": 0, "placement": 0}
+        self._t0 = time.monotonic()
+        self._by_runner = False
         self.offset = 0
         """Bytes of the run's live log published so far (where the next chunk starts)."""
+
+    @property
+    def execution(self) -> str:
+        """This execution's id (in every message)."""
+        return self._execution
+
+    @property
+    def by_runner(self) -> bool:
+        """Whether the job's runner publishes the live log and trace itself (this bus then does not)."""
+        return self._by_runner
+
+    def clock(self) -> float:
+        """Seconds since this execution began (about the run's clock: it began just before)."""
+        return time.monotonic() - self._t0
+
+    def runner_publishes(self) -> None:
+        """The runner said it publishes the live log and trace itself (`started` with `live: nats`):
+        relaying them too would show every line twice."""
+        self._by_runner = True
 
     def _next(self, channel: str) -> int:
         self._seq[channel] += 1
@@ -220,6 +268,8 @@ class LiveBus:
             self.offset = last.offset + len(last.text.encode("utf-8"))
 
     async def log(self, stream: Literal["stdout", "stderr"], text: str) -> None:
+        if self._by_runner:
+            return
         req = self._req
         chunk = LiveLog(
             batch_id=req.batch_id,
@@ -236,6 +286,8 @@ class LiveBus:
         await self._pub.publish_nowait(chunk)
 
     async def trace(self, events: Sequence[TraceEvent]) -> None:
+        if self._by_runner:
+            return
         req = self._req
         for event in events:
             await self._pub.publish_nowait(
@@ -397,26 +449,42 @@ class Cancellations:
             log.warning("read %d of %d cancellations at start", self._read, known)
 
 
-def kubernetes_backend(settings: DispatcherSettings) -> KubernetesBackend:
-    """The Kubernetes backend the settings describe (reads the kubeconfig)."""
-    template = JobTemplate(namespace=settings.namespace, image=settings.image, start_timeout_s=settings.start_timeout_s)
+def kubernetes_backend(settings: DispatcherSettings, live: LiveHandoffs | None = None) -> KubernetesBackend:
+    """The Kubernetes backend the settings describe (reads the kubeconfig); `live`: the executions
+    whose runners may publish the live view themselves (`DISPATCHER_RUNNER_NATS_URL`)."""
+    runner = settings.runner_nats()
+    if runner is not None and runner.secret:
+        try:
+            secret_ref(runner.secret, RUNNER_PASSWORD_VAR)
+        except BackendError as e:
+            raise ValueError(f"DISPATCHER_RUNNER_NATS_SECRET: {e.message}") from e
+    template = JobTemplate(namespace=settings.namespace, image=settings.image, start_timeout_s=settings.start_timeout_s,
+                           runner_nats=runner)  # fmt: skip
     return connect_cluster(
         template,
         kubeconfig=settings.kubeconfig,
         context=settings.kube_context,
         slots=settings.slot_count(),
         poll_s=settings.cluster_poll_s,
+        live=live,
     )
 
 
-def nomad_backend(settings: DispatcherSettings) -> NomadBackend:
-    """The Nomad backend the settings describe."""
+def nomad_backend(settings: DispatcherSettings, live: LiveHandoffs | None = None) -> NomadBackend:
+    """The Nomad backend the settings describe; `live` as for `kubernetes_backend`."""
+    runner = settings.runner_nats()
+    if runner is not None and runner.secret:
+        try:
+            variable_template(RUNNER_PASSWORD_VAR, runner.secret, settings.nomad_variables_prefix)
+        except BackendError as e:
+            raise ValueError(f"DISPATCHER_RUNNER_NATS_SECRET: {e.message}") from e
     template = NomadTemplate(
         image=settings.image,
         namespace=settings.nomad_namespace,
         driver=settings.nomad_driver,
         variables_prefix=settings.nomad_variables_prefix,
         start_timeout_s=settings.start_timeout_s,
+        runner_nats=runner,
     )
     return connect_nomad(
         template,
@@ -424,13 +492,17 @@ def nomad_backend(settings: DispatcherSettings) -> NomadBackend:
         token_value=settings.nomad_token,
         slots=settings.slot_count(),
         poll_s=settings.cluster_poll_s,
+        live=live,
     )
 
 
-def docker_backend(settings: DispatcherSettings, secrets: SecretStore) -> DockerBackend:
-    """The Docker backend the settings describe (secret values resolved from `secrets` at dispatch)."""
+def docker_backend(
+    settings: DispatcherSettings, secrets: SecretStore, live: LiveHandoffs | None = None
+) -> DockerBackend:
+    """The Docker backend the settings describe (secret values resolved from `secrets` at dispatch);
+    `live` as for `kubernetes_backend`."""
     template = DockerTemplate(image=settings.image, network=settings.docker_network,
-                              start_timeout_s=settings.start_timeout_s)  # fmt: skip
+                              start_timeout_s=settings.start_timeout_s, runner_nats=settings.runner_nats())  # fmt: skip
     return connect_docker(
         template,
         secrets,
@@ -440,6 +512,7 @@ def docker_backend(settings: DispatcherSettings, secrets: SecretStore) -> Docker
         tls_verify=settings.docker_tls_verify,
         tls=settings.docker_tls,
         cert_path=Path(settings.docker_cert_path).expanduser() if settings.docker_cert_path else None,
+        live=live,
     )
 
 
@@ -459,12 +532,13 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         secrets=secrets,
     )
     cluster: KubernetesBackend | NomadBackend | DockerBackend | None = None
+    handoffs = LiveHandoffs()
     if settings.backend == "kubernetes":
-        cluster = kubernetes_backend(settings)
+        cluster = kubernetes_backend(settings, handoffs)
     elif settings.backend == "nomad":
-        cluster = nomad_backend(settings)
+        cluster = nomad_backend(settings, handoffs)
     elif settings.backend == "docker":
-        cluster = docker_backend(settings, secrets)
+        cluster = docker_backend(settings, secrets, handoffs)
     puller = PlatformTracePuller(secrets)
     cancels = Cancellations(settings.cancellations)
     lanes = settings.served_lanes()
@@ -544,21 +618,22 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         objects = RunObjects(service.js, settings.payload_inline_max_bytes, int(service.nc.max_payload or 0))
         presence.hold(run_id)
         try:
-            executed = await execute_case(
-                req,
-                cluster or backend,
-                live=live,
-                on_release=released,
-                trace_puller=puller,
-                backoff_s=settings.retry_backoff_s * (req.attempt - 1),
-                dispatcher=presence.id,
-                queued=Queued(waited_s=waited, delivery=delivery.num_delivered, lane=req.lane),
-                sample_interval_s=settings.sample_interval_s,
-                on_sandbox=lambda handle, mark, declared: controls.attach(
-                    run_id, observed(handle, mark), mark, screen=lambda: capture(screens.session, handle, declared)
-                ),
-                objects=objects,
-            )
+            with handoffs.holding(run_id, live):
+                executed = await execute_case(
+                    req,
+                    cluster or backend,
+                    live=live,
+                    on_release=released,
+                    trace_puller=puller,
+                    backoff_s=settings.retry_backoff_s * (req.attempt - 1),
+                    dispatcher=presence.id,
+                    queued=Queued(waited_s=waited, delivery=delivery.num_delivered, lane=req.lane),
+                    sample_interval_s=settings.sample_interval_s,
+                    on_sandbox=lambda handle, mark, declared: controls.attach(
+                        run_id, observed(handle, mark), mark, screen=lambda: capture(screens.session, handle, declared)
+                    ),
+                    objects=objects,
+                )
         finally:
             free_slot()
         if should_retry(executed, req.attempt, req.plan.retries):

@@ -10,8 +10,9 @@ dispatcher's (`DISPATCHER_DOCKER_NETWORK`); the run id, attempt and batch are la
 Secrets: without swarm the engine has no secret store a container can read by name, so each
 `secret_env` entry is resolved at dispatch from the dispatcher's secret store and put in the
 container's environment through the create request only — never in a log line, a mark or an event;
-the runner masks the values in what it prints. (Whoever can `docker inspect` on that engine can read
-them: docs/backends.md says so.)
+the runner masks the values in what it prints. The runner's own NATS password, when it publishes the
+live view itself (`runner_nats`), travels the same way. (Whoever can `docker inspect` on that engine
+can read them: docs/backends.md says so.)
 
 While it runs the sandbox follows the engine's event feed for the container (`GET /events`, the
 engine's own timestamps) and marks the run's trace: `submitted`, `scheduled` (created on the
@@ -75,6 +76,7 @@ from evalbus_dispatcher.backends.docker_container import (
     read_event,
     read_stats,
     resolve_secrets,
+    runner_password,
 )
 from evalbus_dispatcher.backends.docker_engine import (
     API_VERSION,
@@ -93,7 +95,7 @@ from evalbus_dispatcher.backends.docker_engine import (
     tls_context,
 )
 from evalbus_dispatcher.backends.job_log import JobLog, LineSplitter, UnitEnd
-from evalbus_dispatcher.backends.job_spec import run_of, runner_job
+from evalbus_dispatcher.backends.job_spec import LiveHandoff, LiveHandoffs, run_of, runner_job, runner_live
 from evalbus_dispatcher.errors import BackendError
 from evalbus_grading import ExecResult
 from evalbus_runtime.secrets import SecretStore
@@ -113,8 +115,12 @@ _MIB = 1024 * 1024
 class DockerBackend:
     """Case sandboxes as containers on one Docker engine."""
 
-    def __init__(self, engine: DockerEngine, template: DockerTemplate, secrets: SecretStore, *, slots: int = 4) -> None:
+    def __init__(
+        self, engine: DockerEngine, template: DockerTemplate, secrets: SecretStore, *, slots: int = 4,
+        live: LiveHandoffs | None = None,
+    ) -> None:  # fmt: skip
         self._engine = engine
+        self._live = live
         self._template = template
         self._secrets = secrets
         self._slots = slots
@@ -171,7 +177,14 @@ class DockerBackend:
         if problem is not None:
             raise BackendError(problem, code="unschedulable", failure_class="config", retryable=False)
         await self._sweep(run_id)
-        body = container_body(job, run_id, self._template, secret_env)
+        handoff = self._live.get(run_id) if self._live is not None else None
+        live = runner_live(self._template.runner_nats, handoff)
+        password = runner_password(self._template, live, self._secrets)
+        if live is not None and live.password_var and not password:
+            log.warning("DISPATCHER_RUNNER_NATS_SECRET names no secret of the dispatcher's store: the runner "
+                        "cannot log in to NATS and the job log carries the live view")  # fmt: skip
+        secret_env |= password
+        body = container_body(job, run_id, self._template, secret_env, live)
         name = container_name(run_id, job.attempt)
         node = str(info.get("Name") or "docker")
         key = next(self._keys)
@@ -180,7 +193,10 @@ class DockerBackend:
         def freed() -> None:
             self._held.pop(key, None)
 
-        return DockerSandbox(self, job, name, body, node=node, secret_values=list(secret_env.values()), free_slot=freed)
+        return DockerSandbox(
+            self, job, name, body, node=node, secret_values=list(secret_env.values()), free_slot=freed,
+            handoff=handoff if live is not None else None,
+        )  # fmt: skip
 
     async def _sweep(self, run_id: str) -> None:
         """Remove containers an earlier execution of this run left (its dispatcher died holding them)."""
@@ -221,8 +237,10 @@ class DockerSandbox:
         node: str,
         secret_values: list[str],
         free_slot: Callable[[], None],
+        handoff: LiveHandoff | None = None,
     ) -> None:
         self._backend = backend
+        self._handoff = handoff
         self._engine = backend.engine
         self._job = job
         self.name = name
@@ -328,7 +346,7 @@ class DockerSandbox:
             if on_spawn is not None:
                 await on_spawn(pid)
 
-        job_log = self._log = JobLog(on_output, spawned)
+        job_log = self._log = JobLog(on_output, spawned, handoff=self._handoff)
         deadline = deadline_s(self._job)
         timed_out = False
         waited: Any = None
@@ -714,6 +732,7 @@ def connect_docker(
     tls_verify: bool = False,
     tls: bool = False,
     cert_path: Path | None = None,
+    live: LiveHandoffs | None = None,
 ) -> DockerBackend:
     """A backend on the engine at `host` (`DOCKER_HOST`: `unix:///path` or `tcp://host:port`), over
     TLS with `tls_verify` (the engine authenticated by `cert_path`'s `ca.pem`) or `tls` (encrypted
@@ -727,7 +746,7 @@ def connect_docker(
         address = dataclasses.replace(address, tls=True)
         context = tls_context(cert_path or Path.home() / ".docker", verify=tls_verify)
     engine = DockerEngine(address, api_version=api_version, tls=context)
-    return DockerBackend(engine, template, secrets, slots=slots)
+    return DockerBackend(engine, template, secrets, slots=slots, live=live)
 
 
 def deadline_s(job: CaseRequested) -> int:

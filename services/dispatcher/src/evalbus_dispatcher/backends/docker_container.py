@@ -14,10 +14,10 @@ from typing import Any
 import msgspec
 
 from evalbus_contracts import CaseRequested
-from evalbus_contracts.runner import JOB_ENV
+from evalbus_contracts.runner import JOB_ENV, RunnerLive
 from evalbus_contracts.specs import ComputeSpec
 from evalbus_dispatcher.backends.base import OrchestratorEvent, UnitPlacement, UnitUsage
-from evalbus_dispatcher.backends.job_spec import label_value, runner_job
+from evalbus_dispatcher.backends.job_spec import RunnerNats, label_value, runner_job
 from evalbus_dispatcher.errors import BackendError
 from evalbus_runtime.secrets import SecretStore
 
@@ -50,6 +50,8 @@ class DockerTemplate:
     """`DeviceRequests[].Driver` when a case asks for GPUs."""
     stats_interval_s: float = 1.0
     """Seconds between two reads of a running container's stats (memory, CPU, processes)."""
+    runner_nats: RunnerNats | None = None
+    """Where the runners publish the live view themselves (None: the dispatcher relays the job log)."""
 
 
 def image_reference(image: str) -> tuple[str, str]:
@@ -86,13 +88,26 @@ def resolve_secrets(job: CaseRequested, store: SecretStore) -> dict[str, str]:
     return values
 
 
+def runner_password(template: DockerTemplate, live: RunnerLive | None, store: SecretStore) -> dict[str, str]:
+    """The runner's own secret variable (its NATS password from the store), when it publishes the live
+    view itself; none when the store lacks it (the runner is refused then, and the job log carries
+    the live view: a live view never fails a case)."""
+    nats = template.runner_nats
+    if live is None or not live.password_var or nats is None or not nats.secret:
+        return {}
+    secret = store.get(nats.secret)
+    return {live.password_var: secret.reveal()} if secret is not None else {}
+
+
 def container_body(
-    job: CaseRequested, run_id: str, template: DockerTemplate, secret_env: Mapping[str, str]
-) -> dict[str, Any]:
-    """The `POST /containers/create` body (`ContainerCreateRequest`) for one execution of a case attempt.
-    It holds the secret values: it is sent, never logged."""
+    job: CaseRequested, run_id: str, template: DockerTemplate, secret_env: Mapping[str, str],
+    live: RunnerLive | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The `POST /containers/create` body (`ContainerCreateRequest`) for one execution of a case attempt
+    (`secret_env`: the harness's secrets and the runner's own password, by variable). It holds the
+    secret values: it is sent, never logged."""
     compute = job.harness.resources()
-    spec = runner_job(job, run_id)
+    spec = runner_job(job, run_id, live=live)
     labels = {MANAGED_LABEL: "evalbus", RUN_LABEL: run_id, "dev.evalbus.attempt": str(job.attempt)}
     if job.batch_id is not None:
         labels["dev.evalbus.batch"] = job.batch_id

@@ -3,7 +3,9 @@ decoded into what the sandbox port answers — the harness's output streamed liv
 compute graders' results, the snapshot. Shared by every cluster backend.
 
 A torn record is counted and skipped. The kept output is bounded (the tail of each stream, as on
-the local backend); what is streamed live is every line.
+the local backend); what is streamed live is every line. A runner whose `started` record says it
+publishes the live view itself (`live: nats`) is told to the execution's `LiveHandoff`, which then
+stops relaying the lines: they still feed the result, the failure evidence and the live screen.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from evalbus_contracts.runner import (
     read_line,
 )
 from evalbus_dispatcher.backends.base import HarnessRun, OnOutput, OnSpawn, OutputStream, RunFailure
+from evalbus_dispatcher.backends.job_spec import LiveHandoff
 from evalbus_grading import ExecResult
 
 log = logging.getLogger(__name__)
@@ -91,9 +94,17 @@ class UnitEnd:
 class JobLog:
     """The decoded log of one job, fed line by line."""
 
-    def __init__(self, on_output: OnOutput, on_spawn: OnSpawn | None, *, cap: int = OUTPUT_CAP_BYTES) -> None:
+    def __init__(
+        self,
+        on_output: OnOutput,
+        on_spawn: OnSpawn | None,
+        *,
+        cap: int = OUTPUT_CAP_BYTES,
+        handoff: LiveHandoff | None = None,
+    ) -> None:
         self._on_output = on_output
         self._on_spawn = on_spawn
+        self._handoff = handoff
         self._stdout = _Kept(cap)
         self._stderr = _Kept(cap)
         self.started: Started | None = None
@@ -122,6 +133,8 @@ class JobLog:
             await self._out("stderr", item.text)
         elif isinstance(item, Started):
             self.started = item
+            if item.live == "nats" and self._handoff is not None:
+                self._handoff.runner_publishes()
             if self._on_spawn is not None:
                 try:
                     await self._on_spawn(item.pid)

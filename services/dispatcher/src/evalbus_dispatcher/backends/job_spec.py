@@ -1,13 +1,18 @@
-"""What a cluster job is told (pure): the runner's job spec for a case attempt, and the run's id in
-a form orchestrators accept as a label or name part. Shared by the cluster backends."""
+"""What a cluster job is told (pure): the runner's job spec for a case attempt, where its runner
+publishes the live view itself (`RunnerNats`, the execution's `LiveHandoff`), and the run's id in a
+form orchestrators accept as a label or name part. Shared by the cluster backends."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
 
 from evalbus_contracts import CaseRequested, batch_run_id
-from evalbus_contracts.runner import RunnerCheck, RunnerJob
+from evalbus_contracts.runner import RunnerCheck, RunnerJob, RunnerLive
 from evalbus_contracts.specs import CommandGrader, ScriptScoreGrader, TestsPassGrader
 from evalbus_dispatcher.errors import BackendError
 
@@ -42,9 +47,84 @@ def runner_checks(job: CaseRequested) -> tuple[RunnerCheck, ...]:
     )
 
 
-def runner_job(job: CaseRequested, run_id: str, *, hold_s: float = 0.0) -> RunnerJob:
+RUNNER_PASSWORD_VAR = "EVALBUS_RUNNER_NATS_PASSWORD"  # noqa: S105 - a variable name, not its value
+"""The runner's environment variable the orchestrator puts the `runner` user's NATS password in
+(from the secret `DISPATCHER_RUNNER_NATS_SECRET` names); the harness never gets it."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerNats:
+    """Where the runners publish the live log and trace themselves (`DISPATCHER_RUNNER_NATS_URL`,
+    `DISPATCHER_RUNNER_NATS_SECRET`)."""
+
+    url: str
+    """The NATS URL as reachable from inside the jobs."""
+    secret: str | None = None
+    """The name of the secret holding the `runner` user's password, resolved by the orchestrator as a
+    harness's `secret_env` names are (None: the runners connect as the URL says)."""
+
+
+class LiveHandoff(Protocol):
+    """One execution's live view, as a runner continues it (the dispatcher's `LiveBus`)."""
+
+    @property
+    def execution(self) -> str:
+        """The execution's id (in every live message)."""
+        ...
+
+    @property
+    def offset(self) -> int:
+        """Bytes of the run's live log published so far."""
+        ...
+
+    def clock(self) -> float:
+        """Seconds on the run's clock now."""
+        ...
+
+    def runner_publishes(self) -> None:
+        """The runner said it publishes the live log and trace itself: the dispatcher stops relaying them."""
+        ...
+
+
+class LiveHandoffs:
+    """The live views of the runs this replica executes, by run id: what a cluster backend tells a
+    runner that publishes the live view itself (`runner_live`)."""
+
+    def __init__(self) -> None:
+        self._by_run: dict[str, LiveHandoff] = {}
+
+    @contextlib.contextmanager
+    def holding(self, run_id: str, handoff: LiveHandoff) -> Iterator[None]:
+        """`handoff` is the run's while the block runs."""
+        self._by_run[run_id] = handoff
+        try:
+            yield
+        finally:
+            if self._by_run.get(run_id) is handoff:
+                del self._by_run[run_id]
+
+    def get(self, run_id: str) -> LiveHandoff | None:
+        """The run's live view, when this replica executes it now."""
+        return self._by_run.get(run_id)
+
+
+def runner_live(nats: RunnerNats | None, handoff: LiveHandoff | None) -> RunnerLive | None:
+    """What the runner is told about publishing the live view itself (None: it does not)."""
+    if nats is None or not nats.url or handoff is None:
+        return None
+    return RunnerLive(
+        nats_url=nats.url,
+        password_var=RUNNER_PASSWORD_VAR if nats.secret else None,
+        execution=handoff.execution,
+        offset=handoff.offset,
+        t_offset=round(handoff.clock(), 6),
+    )
+
+
+def runner_job(job: CaseRequested, run_id: str, *, hold_s: float = 0.0, live: RunnerLive | None = None) -> RunnerJob:
     """What the runner is told: the harness, without secret values (only the variables' names);
-    `hold_s`: how long it keeps the job alive for the dispatcher to read declared files (0: not)."""
+    `hold_s`: how long it keeps the job alive for the dispatcher to read declared files (0: not);
+    `live`: where it publishes the live view itself."""
     harness = job.harness
     return RunnerJob(
         run_id=run_id,
@@ -60,4 +140,5 @@ def runner_job(job: CaseRequested, run_id: str, *, hold_s: float = 0.0) -> Runne
         timeout_s=job.case.timeout_s or harness.timeout_s,
         checks=runner_checks(job),
         hold_s=hold_s,
+        live=live,
     )

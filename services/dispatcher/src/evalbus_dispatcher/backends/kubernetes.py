@@ -7,7 +7,9 @@ limits), GPUs (`nvidia.com/gpu`) and `nodeSelector`; `network: none` labels the 
 backend creates it once, before the first such Job; only a CNI that enforces NetworkPolicy cuts the
 pod off); each `secret_env` entry becomes a `secretKeyRef` by name (`name` → Secret `name`, key
 `value`; `name/key` → that key), so no secret value is ever in the Job spec or known to the
-dispatcher. The run id is a label (label-safe form) and an annotation (exact).
+dispatcher. The run id is a label (label-safe form) and an annotation (exact). With `runner_nats`
+the runner publishes the live log and trace itself, its NATS password from an optional
+`secretKeyRef` to the Secret `runner_nats.secret` (docs/backends.md, "The live view straight to NATS").
 
 While the pod comes up the sandbox polls it and its Events and marks the run's trace: `submitted`,
 `waiting` with the scheduler's `FailedScheduling` message (the run reads *blocked*), `scheduled`
@@ -58,6 +60,7 @@ from evalbus_contracts.runner import (
     Holding,
     RunnerCheck,
     RunnerJob,
+    RunnerLive,
 )
 from evalbus_contracts.specs import ComputeSpec
 from evalbus_dispatcher.backends.base import (
@@ -73,7 +76,16 @@ from evalbus_dispatcher.backends.base import (
     UnitUsage,
 )
 from evalbus_dispatcher.backends.job_log import JobLog, LineSplitter, UnitEnd
-from evalbus_dispatcher.backends.job_spec import label_value, run_of, runner_checks, runner_job
+from evalbus_dispatcher.backends.job_spec import (
+    LiveHandoff,
+    LiveHandoffs,
+    RunnerNats,
+    label_value,
+    run_of,
+    runner_checks,
+    runner_job,
+    runner_live,
+)
 from evalbus_dispatcher.backends.kubernetes_exec import (
     ERROR,
     STDERR,
@@ -169,6 +181,8 @@ class JobTemplate:
     artifact_hold_s: float = 120.0
     """Longest the runner keeps a finished harness's pod alive for the dispatcher to read the files
     it declared (`RunnerJob.hold_s`; 0: never, and declared files are not collected)."""
+    runner_nats: RunnerNats | None = None
+    """Where the runners publish the live view themselves (None: the dispatcher relays the job log)."""
 
 
 def network_none_policy(namespace: str) -> dict[str, Any]:
@@ -182,15 +196,22 @@ def network_none_policy(namespace: str) -> dict[str, Any]:
     }
 
 
-def job_manifest(job: CaseRequested, run_id: str, name: str, template: JobTemplate) -> dict[str, Any]:
-    """The `batch/v1` Job for one execution of a case attempt."""
+def job_manifest(
+    job: CaseRequested, run_id: str, name: str, template: JobTemplate, live: RunnerLive | None = None
+) -> dict[str, Any]:
+    """The `batch/v1` Job for one execution of a case attempt (`live`: its runner publishes the live
+    view itself; the password comes from the Secret `runner_nats.secret`, optional: without it the
+    runner is refused and leaves the live view to the job log)."""
     harness = job.harness
-    spec = runner_job(job, run_id, hold_s=template.artifact_hold_s)
+    spec = runner_job(job, run_id, hold_s=template.artifact_hold_s, live=live)
     env: list[dict[str, Any]] = [{"name": JOB_ENV, "value": msgspec.json.encode(spec).decode("utf-8")}]
     env += [
         {"name": var, "valueFrom": {"secretKeyRef": secret_ref(secret, var)}}
         for var, secret in harness.secret_env.items()
     ]
+    if live is not None and live.password_var and template.runner_nats is not None and template.runner_nats.secret:
+        ref = {**secret_ref(template.runner_nats.secret, live.password_var), "optional": True}
+        env.append({"name": live.password_var, "valueFrom": {"secretKeyRef": ref}})
     labels = {**MANAGED_BY, RUN_LABEL: label_value(run_id), "evalbus.dev/attempt": str(job.attempt)}
     if harness.resources().network == "none":
         labels[NETWORK_LABEL] = "none"
@@ -415,8 +436,10 @@ class KubernetesBackend:
         slots: int = 4,
         poll_s: float = 1.0,
         check_fit: bool = True,
+        live: LiveHandoffs | None = None,
     ) -> None:
         self._api = api
+        self._live = live
         self._core = k8s.CoreV1Api(api)
         self._batch = k8s.BatchV1Api(api)
         self._networking = k8s.NetworkingV1Api(api)
@@ -498,7 +521,9 @@ class KubernetesBackend:
         `BackendError` — config, not retryable, when no node could ever fit the case."""
         run_id = run_of(job)
         name = job_name(run_id, job.attempt)
-        manifest = job_manifest(job, run_id, name, self._template)  # refuses bad secret names first
+        handoff = self._live.get(run_id) if self._live is not None else None
+        live = runner_live(self._template.runner_nats, handoff)
+        manifest = job_manifest(job, run_id, name, self._template, live)  # refuses bad secret names first
         if self._check_fit:
             await self._refuse_unfit(job.harness.resources())
         if job.harness.resources().network == "none":
@@ -517,7 +542,10 @@ class KubernetesBackend:
         except OSError as e:  # urllib3 wraps connection failures in OSError subclasses
             raise BackendError(f"cannot reach the Kubernetes API: {e}", code="orchestrator_unreachable") from e
         self._used += 1
-        return KubernetesSandbox(self, job, name, spec_checks=runner_checks(job), free_slot=self._slot_freed)
+        return KubernetesSandbox(
+            self, job, name, spec_checks=runner_checks(job), free_slot=self._slot_freed,
+            handoff=handoff if live is not None else None,
+        )  # fmt: skip
 
     def _slot_freed(self) -> None:
         self._used -= 1
@@ -624,8 +652,10 @@ class KubernetesSandbox:
         *,
         spec_checks: tuple[RunnerCheck, ...],
         free_slot: Callable[[], None],
+        handoff: LiveHandoff | None = None,
     ) -> None:
         self._backend = backend
+        self._handoff = handoff
         self._job = job
         self.name = name
         """The Job's name."""
@@ -772,7 +802,7 @@ class KubernetesSandbox:
             if on_spawn is not None:
                 await on_spawn(pid)
 
-        job_log = self._log = JobLog(on_output, spawned)
+        job_log = self._log = JobLog(on_output, spawned, handoff=self._handoff)
         lines = LineSplitter()
         await self._follow(job_log, lines, spec.timeout_s + sum(c.timeout_s for c in spec.checks) + spec.hold_s + 120.0)
         followed_to_hold = job_log.holding is not None
@@ -1069,6 +1099,7 @@ def connect_cluster(
     slots: int = 4,
     poll_s: float = 1.0,
     environ: Mapping[str, str] | None = None,
+    live: LiveHandoffs | None = None,
 ) -> KubernetesBackend:
     """A backend on the cluster `kubeconfig` (and `context`) names; without one, the in-cluster
     service account when running in a pod, else the default kubeconfig (`~/.kube/config`)."""
@@ -1080,4 +1111,4 @@ def connect_cluster(
         k8s_config.load_kube_config(  # type: ignore[no-untyped-call]
             config_file=kubeconfig, context=context, client_configuration=cfg
         )
-    return KubernetesBackend(k8s.ApiClient(cfg), template, slots=slots, poll_s=poll_s)
+    return KubernetesBackend(k8s.ApiClient(cfg), template, slots=slots, poll_s=poll_s, live=live)

@@ -5,7 +5,8 @@ The job's one task runs the in-job runner (docs/backends.md) with the job spec i
 GPUs (a `nvidia/gpu` device), `${meta.<key>}` constraints and, for `network: none`, a group
 network in mode `none` (and the `docker` driver's `network_mode = "none"`); each `secret_env`
 entry becomes a template reading a Nomad Variable by name (`<variables_prefix>/<name>`, item
-`value`) into the task's environment — no value in the job. The run id is in the job's `Meta`.
+`value`) into the task's environment — no value in the job; so does the runner's NATS password when
+it publishes the live view itself (`runner_nats`). The run id is in the job's `Meta`.
 
 While the allocation comes up the sandbox polls the job's evaluations and allocations and marks the
 run's trace: `submitted`; `waiting` with `blocked: <the blocked evaluation's exhausted dimensions and
@@ -45,7 +46,7 @@ import nomad.api.exceptions  # type: ignore[import-untyped]
 import requests
 
 from evalbus_contracts import CaseRequested, PromptSnapshot, Snapshot
-from evalbus_contracts.runner import JOB_ENV
+from evalbus_contracts.runner import JOB_ENV, RunnerLive
 from evalbus_contracts.specs import ComputeSpec
 from evalbus_dispatcher.backends.base import (
     Capacity,
@@ -60,7 +61,15 @@ from evalbus_dispatcher.backends.base import (
     UnitUsage,
 )
 from evalbus_dispatcher.backends.job_log import JobLog, LineSplitter, UnitEnd
-from evalbus_dispatcher.backends.job_spec import label_value, run_of, runner_job
+from evalbus_dispatcher.backends.job_spec import (
+    LiveHandoff,
+    LiveHandoffs,
+    RunnerNats,
+    label_value,
+    run_of,
+    runner_job,
+    runner_live,
+)
 from evalbus_dispatcher.errors import BackendError
 from evalbus_grading import ExecResult
 
@@ -96,6 +105,8 @@ class NomadTemplate:
     """MHz asked per CPU core of `harness.compute.cpu`."""
     start_timeout_s: float = 600.0
     """How long an allocation may stay blocked or starting before the run fails."""
+    runner_nats: RunnerNats | None = None
+    """Where the runners publish the live view themselves (None: the dispatcher relays the job log)."""
 
 
 def variable_template(var: str, secret: str, prefix: str) -> dict[str, Any]:
@@ -116,10 +127,19 @@ def variable_template(var: str, secret: str, prefix: str) -> dict[str, Any]:
     }
 
 
-def nomad_job(job: CaseRequested, run_id: str, job_id: str, template: NomadTemplate) -> dict[str, Any]:
-    """The JSON job (`{"Job": …}` as `POST /v1/jobs` takes it) for one execution of a case attempt."""
+def nomad_job(
+    job: CaseRequested, run_id: str, job_id: str, template: NomadTemplate, live: RunnerLive | None = None
+) -> dict[str, Any]:
+    """The JSON job (`{"Job": …}` as `POST /v1/jobs` takes it) for one execution of a case attempt
+    (`live`: its runner publishes the live view itself, the password read from the Nomad Variable
+    `<variables_prefix>/<runner_nats.secret>` as a harness secret is)."""
     harness, compute = job.harness, job.harness.resources()
-    spec = runner_job(job, run_id)
+    spec = runner_job(job, run_id, live=live)
+    templates = [
+        variable_template(var, secret, template.variables_prefix) for var, secret in harness.secret_env.items()
+    ]
+    if live is not None and live.password_var and template.runner_nats is not None and template.runner_nats.secret:
+        templates.append(variable_template(live.password_var, template.runner_nats.secret, template.variables_prefix))
     argv = [*template.runner_command, "--workdir", "${NOMAD_TASK_DIR}/work"]
     if template.driver == "docker":
         config: dict[str, Any] = {"image": compute.image or template.image, "command": argv[0], "args": argv[1:]}
@@ -142,9 +162,7 @@ def nomad_job(job: CaseRequested, run_id: str, job_id: str, template: NomadTempl
         "Driver": template.driver,
         "Config": config,
         "Env": {JOB_ENV: msgspec.json.encode(spec).decode("utf-8")},
-        "Templates": [
-            variable_template(var, secret, template.variables_prefix) for var, secret in harness.secret_env.items()
-        ],
+        "Templates": templates,
         "Resources": resources,
         "KillTimeout": 5_000_000_000,
         "Meta": meta,
@@ -283,8 +301,9 @@ class NomadBackend:
     """Case sandboxes as Nomad batch jobs, through one `nomad.Nomad` client."""
 
     def __init__(self, client: Any, template: NomadTemplate, *, slots: int = 4, poll_s: float = 1.0,
-                 address: str, token_value: str | None = None) -> None:  # fmt: skip
+                 address: str, token_value: str | None = None, live: LiveHandoffs | None = None) -> None:  # fmt: skip
         self._client = client
+        self._live = live
         self._template = template
         self._slots = slots
         self._poll_s = poll_s
@@ -375,7 +394,9 @@ class NomadBackend:
         could ever fit it."""
         run_id = run_of(job)
         job_id = job_id_for(run_id, job.attempt)
-        body = nomad_job(job, run_id, job_id, self._template)  # refuses bad secret names first
+        handoff = self._live.get(run_id) if self._live is not None else None
+        live = runner_live(self._template.runner_nats, handoff)
+        body = nomad_job(job, run_id, job_id, self._template, live)  # refuses bad secret names first
         await self._refuse_unfit(job.harness.resources())
         try:
             await self.call(self._client.jobs.register_job, body)
@@ -384,7 +405,9 @@ class NomadBackend:
         except requests.RequestException as e:
             raise BackendError(f"cannot reach Nomad: {e}", code="orchestrator_unreachable") from e
         self._used += 1
-        return NomadSandbox(self, job, job_id, free_slot=self._slot_freed)
+        return NomadSandbox(
+            self, job, job_id, free_slot=self._slot_freed, handoff=handoff if live is not None else None
+        )
 
     def _slot_freed(self) -> None:
         self._used -= 1
@@ -472,9 +495,11 @@ class NomadSandbox:
     """One case attempt's batch job and its allocation."""
 
     def __init__(
-        self, backend: NomadBackend, job: CaseRequested, job_id: str, *, free_slot: Callable[[], None]
-    ) -> None:
+        self, backend: NomadBackend, job: CaseRequested, job_id: str, *, free_slot: Callable[[], None],
+        handoff: LiveHandoff | None = None,
+    ) -> None:  # fmt: skip
         self._backend = backend
+        self._handoff = handoff
         self._job = job
         self.job_id = job_id
         """The Nomad job id."""
@@ -587,7 +612,7 @@ class NomadSandbox:
 
         self._running = placement.phase == "running"
         ran_from = time.monotonic()
-        job_log = self._log = JobLog(on_output, spawned)
+        job_log = self._log = JobLog(on_output, spawned, handoff=self._handoff)
         lines = LineSplitter()
         while placement.phase != "dead" and placement.unit is not None:
             await self._read_log(job_log, lines)
@@ -823,7 +848,8 @@ async def _fs_blocks(backend: NomadBackend, alloc: str, path: str, size: int) ->
 
 
 def connect_nomad(template: NomadTemplate, *, address: str, token_value: str | None = None, slots: int = 4,
-                  poll_s: float = 1.0) -> NomadBackend:  # fmt: skip
+                  poll_s: float = 1.0, live: LiveHandoffs | None = None) -> NomadBackend:  # fmt: skip
     """A backend on the Nomad agent at `address` (`NOMAD_ADDR`), with an ACL token when given."""
     client = nomad.Nomad(address=address.rstrip("/"), token=token_value, namespace=template.namespace, timeout=30)
-    return NomadBackend(client, template, slots=slots, poll_s=poll_s, address=address, token_value=token_value)
+    return NomadBackend(client, template, slots=slots, poll_s=poll_s, address=address, token_value=token_value,
+                        live=live)  # fmt: skip
