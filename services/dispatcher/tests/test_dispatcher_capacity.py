@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,7 +28,7 @@ from evalbus_dispatcher.backends.nomad import NomadTemplate, connect_nomad, noma
 from evalbus_dispatcher.capacity import ClusterRoom, HasRoom
 from evalbus_dispatcher.execute import MarkFn
 from evalbus_dispatcher.screen import Declared
-from evalbus_dispatcher.service import CLUSTER_SLOTS, DispatcherSettings, build_dispatcher
+from evalbus_dispatcher.service import CLUSTER_SLOTS, DispatcherSettings, build_dispatcher, kubernetes_backend
 from evalbus_runtime import Service, SlotPool
 from evalbus_runtime.secrets import SecretStore
 from evalbus_runtime.settings import load_settings
@@ -225,3 +226,26 @@ def test_a_replica_serving_two_lanes_shares_one_pool_of_its_slots() -> None:
     assert len(pools) == 1
     assert lanes[0].pool is not None
     assert lanes[0].pool.size == 1
+
+
+async def test_the_kubernetes_artifact_hold_is_a_setting(tmp_path: Path) -> None:
+    async with FakeKubernetes() as fake:
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            "apiVersion: v1\nkind: Config\ncurrent-context: fake\n"
+            f"clusters: [{{name: fake, cluster: {{server: '{fake.url}'}}}}]\n"
+            "users: [{name: me, user: {}}]\n"
+            "contexts: [{name: fake, context: {cluster: fake, user: me}}]\n"
+        )
+        environ = {
+            "DISPATCHER_BACKEND": "kubernetes",
+            "KUBECONFIG": str(kubeconfig),
+            "DISPATCHER_ARTIFACT_HOLD_S": "15",
+        }
+        backend = kubernetes_backend(load_settings(DispatcherSettings, "dispatcher", environ))
+        try:
+            assert backend.template.artifact_hold_s == 15.0
+        finally:
+            await backend.close()
+    with pytest.raises(ValueError, match="DISPATCHER_ARTIFACT_HOLD_S"):
+        DispatcherSettings(service="dispatcher", artifact_hold_s=-1)

@@ -128,6 +128,9 @@ class DispatcherSettings(ServiceSettings):
     """Seconds between two reads of a starting or running pod and its events."""
     start_timeout_s: float = 600.0
     """How long a case's pod or allocation may stay unscheduled or starting before the run fails."""
+    artifact_hold_s: float = 120.0
+    """Kubernetes: the longest a finished case's pod is held for its declared files to be read (0:
+    never held; docs/backends.md, "The Kubernetes hold")."""
     nomad_addr: str = "http://127.0.0.1:4646"
     """Nomad's HTTP API (`DISPATCHER_NOMAD_ADDR`, then `NOMAD_ADDR`)."""
     nomad_token: str | None = None
@@ -172,6 +175,8 @@ class DispatcherSettings(ServiceSettings):
     under `nomad_variables_prefix`, the dispatcher's secret store on Docker); empty: none."""
 
     def __post_init__(self) -> None:
+        if self.artifact_hold_s < 0:
+            raise ValueError(f"DISPATCHER_ARTIFACT_HOLD_S: at least 0, not {self.artifact_hold_s}")
         if self.slots is not None and self.slots < 1:
             raise ValueError(f"DISPATCHER_SLOTS: at least 1, not {self.slots}")
         if self.runner_nats_url:
@@ -459,7 +464,7 @@ def kubernetes_backend(settings: DispatcherSettings, live: LiveHandoffs | None =
         except BackendError as e:
             raise ValueError(f"DISPATCHER_RUNNER_NATS_SECRET: {e.message}") from e
     template = JobTemplate(namespace=settings.namespace, image=settings.image, start_timeout_s=settings.start_timeout_s,
-                           runner_nats=runner)  # fmt: skip
+                           runner_nats=runner, artifact_hold_s=settings.artifact_hold_s)  # fmt: skip
     return connect_cluster(
         template,
         kubeconfig=settings.kubeconfig,
