@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 
 from evalbus_contracts import Error, LiveLog, LiveTrace, TraceEvent, encode
+from evalbus_contracts.live_text import MAX_LOG_CHUNK_BYTES, chunks, utf8_len
 from evalbus_contracts.runner import RunnerJob, RunnerLive
 
 if TYPE_CHECKING:
@@ -26,8 +27,6 @@ if TYPE_CHECKING:
 
 FLUSH_INTERVAL_S = 0.25
 """At most one publish of buffered output per interval (as the dispatcher's live tee)."""
-MAX_LOG_CHUNK_BYTES = 16 * 1024
-"""Largest log text (UTF-8 bytes) of one `LiveLog` (as the dispatcher's)."""
 MAX_PENDING_BYTES = 1024 * 1024
 """Most output buffered per stream between two publishes; the oldest lines give way to a note."""
 MAX_EVENT_BYTES = 4 * 1024
@@ -56,48 +55,6 @@ def classify(line: str) -> TraceEvent | bool:
         return False
 
 
-def _utf8_len(text: str) -> int:
-    return len(text) if text.isascii() else len(text.encode("utf-8"))
-
-
-def chunks(lines: list[str], limit: int = MAX_LOG_CHUNK_BYTES) -> list[str]:
-    """Lines joined (each ending in a newline) into chunks of at most `limit` UTF-8 bytes, a longer
-    line split between characters (pure; `evalbus_dispatcher.live.chunks`)."""
-    out: list[str] = []
-    current: list[str] = []
-    size = 0
-    for line in lines:
-        for piece in _split(line + "\n", limit):
-            n = _utf8_len(piece)
-            if current and size + n > limit:
-                out.append("".join(current))
-                current, size = [], 0
-            current.append(piece)
-            size += n
-    if current:
-        out.append("".join(current))
-    return out
-
-
-def _split(text: str, limit: int) -> list[str]:
-    data = text.encode("utf-8")
-    if len(data) <= limit:
-        return [text]
-    pieces: list[str] = []
-    start = 0
-    while start < len(data):
-        end = min(start + limit, len(data))
-        while start < end < len(data) and (data[end] & 0xC0) == 0x80:  # inside a character
-            end -= 1
-        if end == start:  # a limit below one character: the whole character
-            end = start + 1
-            while end < len(data) and (data[end] & 0xC0) == 0x80:
-                end += 1
-        pieces.append(data[start:end].decode("utf-8"))
-        start = end
-    return pieces
-
-
 class _Pending:
     """One stream's lines waiting for the next publish, at most `MAX_PENDING_BYTES` (oldest dropped)."""
 
@@ -108,9 +65,9 @@ class _Pending:
 
     def add(self, line: str) -> None:
         self.lines.append(line)
-        self.size += _utf8_len(line) + 1
+        self.size += utf8_len(line) + 1
         while self.size > MAX_PENDING_BYTES and len(self.lines) > 1:
-            gone = _utf8_len(self.lines.popleft()) + 1
+            gone = utf8_len(self.lines.popleft()) + 1
             self.size -= gone
             self.dropped += gone
 
@@ -205,10 +162,10 @@ class LivePublisher:
             pending = self._pending[stream]
             if not pending.lines and not pending.dropped:
                 continue
-            for text in chunks(pending.take()):
+            for text in chunks(pending.take(), MAX_LOG_CHUNK_BYTES):
                 self._seq[stream] += 1
                 chunk = self._log(stream, text)
-                self._offset += _utf8_len(text)
+                self._offset += utf8_len(text)
                 await self._send(chunk)
 
     def _log(self, stream: Stream, text: str) -> LiveLog:

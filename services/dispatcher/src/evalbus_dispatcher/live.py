@@ -25,6 +25,7 @@ from typing import Protocol
 import msgspec
 
 from evalbus_contracts import Error, Infra, PlacementSample, TraceEvent
+from evalbus_contracts.live_text import MAX_LOG_CHUNK_BYTES, chunks, utf8_len
 from evalbus_dispatcher.backends.base import OutputStream
 from evalbus_dispatcher.harness_output import TAIL_BYTES, log_tail, parse_line
 
@@ -32,8 +33,6 @@ log = logging.getLogger(__name__)
 
 FLUSH_INTERVAL_S = 0.25
 """At most one flush of buffered output per interval, and at least one while output flows."""
-MAX_LOG_CHUNK_BYTES = 16 * 1024
-"""Largest log text (UTF-8 bytes) handed to the sink in one call."""
 MAX_PENDING_BYTES = 1024 * 1024
 """Most output buffered per stream between flushes (a stalled sink costs lines, not memory)."""
 MAX_EVENT_BYTES = 4 * 1024
@@ -77,13 +76,13 @@ class _Pending:
         return bool(self._lines) or self._dropped > 0
 
     def add(self, line: str) -> None:
-        size = _utf8_len(line) + 1
+        size = utf8_len(line) + 1
         self._lines.append(line)
         self._size += size
         while self._size > self._cap and len(self._lines) > 1:
             gone = self._lines.popleft()
-            self._size -= _utf8_len(gone) + 1
-            self._dropped += _utf8_len(gone) + 1
+            self._size -= utf8_len(gone) + 1
+            self._dropped += utf8_len(gone) + 1
 
     def take(self) -> list[str]:
         lines = list(self._lines)
@@ -105,9 +104,9 @@ class _Recent:
 
     def add(self, line: str) -> None:
         self._lines.append(line)
-        self._size += _utf8_len(line) + 1
+        self._size += utf8_len(line) + 1
         while self._size > self._cap and len(self._lines) > 1:
-            self._size -= _utf8_len(self._lines.popleft()) + 1
+            self._size -= utf8_len(self._lines.popleft()) + 1
 
     def text(self) -> str:
         return "\n".join(self._lines)
@@ -238,49 +237,6 @@ class LiveTee:
 def shift(event: TraceEvent, offset: float) -> TraceEvent:
     """The event with `offset` seconds added to its `t`."""
     return event if offset == 0.0 else msgspec.structs.replace(event, t=event.t + offset)
-
-
-def _utf8_len(text: str) -> int:
-    return len(text) if text.isascii() else len(text.encode("utf-8"))
-
-
-def split_utf8(text: str, limit: int) -> list[str]:
-    """`text` in pieces of at most `limit` UTF-8 bytes, never splitting a character."""
-    data = text.encode("utf-8")
-    if len(data) <= limit:
-        return [text]
-    pieces: list[str] = []
-    start = 0
-    while start < len(data):
-        end = min(start + limit, len(data))
-        while end < len(data) and end > start and (data[end] & 0xC0) == 0x80:  # inside a character
-            end -= 1
-        if end == start:  # a limit smaller than one character: take the whole character
-            end = start + 1
-            while end < len(data) and (data[end] & 0xC0) == 0x80:
-                end += 1
-        pieces.append(data[start:end].decode("utf-8"))
-        start = end
-    return pieces
-
-
-def chunks(lines: Sequence[str], limit: int) -> list[str]:
-    """Lines joined (each ending in a newline) into chunks of at most `limit` UTF-8 bytes; a line
-    longer than that is split across chunks. Concatenated, the chunks are exactly the lines."""
-    out: list[str] = []
-    current: list[str] = []
-    size = 0
-    for line in lines:
-        for piece in split_utf8(line + "\n", limit):
-            n = _utf8_len(piece)
-            if current and size + n > limit:
-                out.append("".join(current))
-                current, size = [], 0
-            current.append(piece)
-            size += n
-    if current:
-        out.append("".join(current))
-    return out
 
 
 async def _best_effort(what: str, call: Callable[..., Awaitable[None]], *args: object) -> None:
