@@ -262,6 +262,51 @@ async def test_a_replica_keeps_its_slots_and_runs_in_the_bucket_and_leaves_it_on
     assert await status() is None
 
 
+async def test_a_burst_of_slot_changes_is_a_few_writes_not_one_per_change(nc: NatsClient) -> None:
+    """At hundreds of cases a second every hold and free used to be a bucket write; changes that
+    come within `min_gap_s` of a write now go out together in the next one."""
+    replica = f"d-{uuid.uuid4().hex[:8]}"
+    js = nc.jetstream()
+    kv = await js.key_value(DISPATCHERS.bucket)
+    gap_s = 0.05
+    presence = Presence(replica, slots=64, interval_s=3600, min_gap_s=gap_s)
+    await presence.start(js)
+    watcher = await kv.watch(status_key(replica))
+    writes: list[DispatcherStatus] = []
+
+    async def count() -> None:
+        async for entry in watcher:
+            if entry is not None and entry.value:
+                writes.append(msgspec.json.decode(entry.value, type=DispatcherStatus))
+
+    counting = asyncio.create_task(count())
+    try:
+        await eventually(lambda: bool(writes), timeout_s=10, what="the first status")
+        first = len(writes)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        runs = [f"evb-burst-r{i}" for i in range(200)]
+        for run in runs:
+            presence.hold(run)
+            await asyncio.sleep(0)  # let the writer run between changes, as a busy loop would
+        for run in runs[:100]:
+            presence.free(run)
+            await asyncio.sleep(0)
+        await eventually(
+            lambda: bool(writes) and writes[-1].runs == tuple(sorted(runs[100:])),
+            timeout_s=10,
+            what="the last change written",
+        )
+        elapsed = loop.time() - began
+        burst = len(writes) - first
+        # One write per change would be 300; the gap allows one per `gap_s` plus the last.
+        assert burst <= elapsed / gap_s + 2, f"{burst} writes for 300 changes in {elapsed:.3f} s"
+    finally:
+        counting.cancel()
+        await watcher.stop()  # type: ignore[no-untyped-call]
+        await presence.stop()
+
+
 async def test_the_sampler_reads_a_quick_usage_on_the_loop_and_the_blocking_one_only_when_it_cannot() -> None:
     loop_thread: list[bool] = []
     published: list[PlacementSample] = []

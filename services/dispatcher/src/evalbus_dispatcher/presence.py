@@ -1,6 +1,6 @@
 """A dispatcher replica's presence in the `dispatchers` bucket: its id, node, compute slots, the
-runs holding them and the lanes it serves, written every few seconds and at once when a slot is
-taken or freed, deleted when the replica stops (a replica that died ages out, and readers drop a status older than three
+runs holding them and the lanes it serves, written every few seconds and soon after a slot is
+taken or freed (changes within `MIN_GAP_S` of a write go out together in the next), deleted when the replica stops (a replica that died ages out, and readers drop a status older than three
 intervals). The gateway reads the bucket to say why a queued run is not running yet."""
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 2.0
 """Seconds between two writes of a replica's status when nothing changes."""
+MIN_GAP_S = 0.05
+"""Least seconds between two writes: at hundreds of cases a second every slot change was a write
+(a bucket put and its reply per case); a reader sees a change at most this much later."""
 
 _KEY_UNSAFE = re.compile(r"[^-_=.a-zA-Z0-9]")
 
@@ -49,6 +52,7 @@ class Presence:
         slots: int,
         node: str | None = None,
         interval_s: float = STATUS_INTERVAL_S,
+        min_gap_s: float = MIN_GAP_S,
         lanes: tuple[str, ...] = (DEFAULT_LANE,),
     ) -> None:
         self.id = replica_id
@@ -56,6 +60,7 @@ class Presence:
         self._node = node if node is not None else (platform.node() or None)
         self._slots = slots
         self._interval_s = interval_s
+        self._min_gap_s = min_gap_s
         self._lanes = lanes
         self._runs: Counter[str] = Counter()
         self._changed = asyncio.Event()
@@ -132,3 +137,6 @@ class Presence:
                 await asyncio.wait_for(self._changed.wait(), self._interval_s)
             self._changed.clear()
             await self._write()
+            if self._min_gap_s > 0:
+                # Changes made meanwhile keep `_changed` set: they go out together right after.
+                await asyncio.sleep(self._min_gap_s)
