@@ -80,6 +80,26 @@ async def mcp_client(gw: RunningGateway, token: str | None) -> AsyncIterator[Cli
         yield client
 
 
+async def test_the_first_requests_load_the_mcp_server_once(gateway: RunningGateway) -> None:
+    """The SDK is imported on the first request to `/mcp`, not at the gateway's start, and requests
+    that come together while it loads share that one load."""
+    endpoint = gateway.state.mcp
+    assert endpoint is not None
+    assert endpoint.loads == 0  # the gateway is up and serving, and nothing loaded the SDK yet
+    message = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+    headers = {"Authorization": f"Bearer {ALICE}", "Accept": "application/json, text/event-stream"}
+
+    async def tools(http: aiohttp.ClientSession) -> set[str]:
+        async with http.post(f"{gateway.base_url}/mcp", json=message, headers=headers) as resp:
+            assert resp.status == 200, await resp.text()
+            return {tool["name"] for tool in (await resp.json())["result"]["tools"]}
+
+    async with aiohttp.ClientSession() as http:
+        answers = await asyncio.gather(*(tools(http) for _ in range(4)))
+    assert all("get_run" in names for names in answers), answers
+    assert endpoint.loads == 1
+
+
 async def test_the_tools_are_listed(gateway: RunningGateway) -> None:
     async with mcp_client(gateway, ALICE) as client:
         tools = {tool.name for tool in (await client.list_tools()).tools}

@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -50,11 +50,8 @@ from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import CASES, DISPATCHER_BATCHES, LIVE
 from evalbus_dispatcher.artifacts import RunObjects
 from evalbus_dispatcher.backends.base import Mark, SandboxHandle, is_observed
-from evalbus_dispatcher.backends.docker import DockerBackend, DockerTemplate, connect_docker
 from evalbus_dispatcher.backends.job_spec import RUNNER_PASSWORD_VAR, LiveHandoffs, RunnerNats
-from evalbus_dispatcher.backends.kubernetes import JobTemplate, KubernetesBackend, connect_cluster, secret_ref
 from evalbus_dispatcher.backends.local import LocalBackend, sweep_orphans
-from evalbus_dispatcher.backends.nomad import NomadBackend, NomadTemplate, connect_nomad, variable_template
 from evalbus_dispatcher.cancellation import cancelled_execution
 from evalbus_dispatcher.capacity import ROOM_INTERVAL_S, ClusterRoom
 from evalbus_dispatcher.control import LiveControls
@@ -78,6 +75,13 @@ from evalbus_runtime import (
 )
 from evalbus_traces import build_source, collect_trace
 from evalbus_traces.errors import TraceUnavailableError
+
+if TYPE_CHECKING:
+    # A cluster backend's module (the Kubernetes client above all: 0.7 s of a start on two cores)
+    # is imported only by a dispatcher that uses it.
+    from evalbus_dispatcher.backends.docker import DockerBackend
+    from evalbus_dispatcher.backends.kubernetes import KubernetesBackend
+    from evalbus_dispatcher.backends.nomad import NomadBackend
 
 log = logging.getLogger("evalbus.dispatcher")
 
@@ -457,6 +461,8 @@ class Cancellations:
 def kubernetes_backend(settings: DispatcherSettings, live: LiveHandoffs | None = None) -> KubernetesBackend:
     """The Kubernetes backend the settings describe (reads the kubeconfig); `live`: the executions
     whose runners may publish the live view themselves (`DISPATCHER_RUNNER_NATS_URL`)."""
+    from evalbus_dispatcher.backends.kubernetes import JobTemplate, connect_cluster, secret_ref  # noqa: PLC0415
+
     runner = settings.runner_nats()
     if runner is not None and runner.secret:
         try:
@@ -477,6 +483,8 @@ def kubernetes_backend(settings: DispatcherSettings, live: LiveHandoffs | None =
 
 def nomad_backend(settings: DispatcherSettings, live: LiveHandoffs | None = None) -> NomadBackend:
     """The Nomad backend the settings describe; `live` as for `kubernetes_backend`."""
+    from evalbus_dispatcher.backends.nomad import NomadTemplate, connect_nomad, variable_template  # noqa: PLC0415
+
     runner = settings.runner_nats()
     if runner is not None and runner.secret:
         try:
@@ -506,6 +514,8 @@ def docker_backend(
 ) -> DockerBackend:
     """The Docker backend the settings describe (secret values resolved from `secrets` at dispatch);
     `live` as for `kubernetes_backend`."""
+    from evalbus_dispatcher.backends.docker import DockerTemplate, connect_docker  # noqa: PLC0415
+
     template = DockerTemplate(image=settings.image, network=settings.docker_network,
                               start_timeout_s=settings.start_timeout_s, runner_nats=settings.runner_nats())  # fmt: skip
     return connect_docker(
