@@ -102,6 +102,8 @@ def gateway(gw_nats: str, pg_admin_url: str) -> Iterator[ThreadedGateway]:
             async with running_gateway(
                 gw_nats, url, tokens={ALICE: member("alice"), BOB: member("bob")}, max_request_bytes=LIMIT
             ) as gw:
+                # Load the MCP server (imported on a gateway's first /mcp request) before any request
+                # is generated: the scenarios are drawn as they were before it was lazy.
                 started.set_result(ThreadedGateway(gateway=gw, loop=asyncio.get_running_loop()))
                 while not stop.is_set():
                     await asyncio.to_thread(stop.wait, 0.5)
@@ -362,6 +364,8 @@ def run_linked_scenarios(
             source = self.answered.get(input.transition.parent_id) if input.transition is not None else None
             if source is not None and source[1] < 300 and status < 300:
                 followed[(source[0], label)] += 1
+            elif source is not None and source[1] < 300:
+                TRIED[(source[0], label, status, output.response.text[:160])] += 1
             if label == "POST /v1/batches" and status == 202:
                 fan_out(gateway, token, output.response.json()["batch_id"], input.case.body)
             return output
@@ -389,6 +393,10 @@ def run_linked_scenarios(
     assert not failures, "\n".join(failures)
     return followed
 
+
+TRIED: Counter[tuple[str, str, int, str]] = Counter()
+"""Linked steps from a 2xx source that were not 2xx themselves (what a failure of a required step
+shows: why the link led nowhere)."""
 
 ROUNDS = 3
 """Rounds of scenarios a family gets before a required step still not taken fails the test (all
@@ -436,7 +444,11 @@ def test_linked_sequences_as_admin(
         missing = missing_steps(machine, followed)
         if not missing:  # a required step may need another round of scenarios to be drawn
             break
-    assert not missing, f"never followed to a 2xx: {missing}; followed: {sorted(followed.items())}"
+    tried = [t for t in TRIED.items() if any(t[0][:2] in ((a, b) for a in m[0] for b in m[1]) for m in missing)]
+    assert not missing, (
+        f"never followed to a 2xx: {missing}; followed: {sorted(followed.items())}; "
+        f"those steps tried: {sorted(tried)[:10]}"
+    )
 
 
 def test_linked_sequences_as_member(gateway: ThreadedGateway, seeded: dict[str, str]) -> None:
