@@ -307,6 +307,22 @@ async def test_a_burst_of_slot_changes_is_a_few_writes_not_one_per_change(nc: Na
         await presence.stop()
 
 
+async def test_stop_ends_the_writer_even_when_a_slot_changes_just_before(nc: NatsClient) -> None:
+    """A free right before `stop()` (a case released as the service stops) sets the writer's event
+    in the same turn as the cancel: with `asyncio.wait_for` on Python 3.11 the cancel could be
+    swallowed and `stop()` waited for ever (seen as a 300 s hang of tests/test_lanes_upgrade.py)."""
+    js = nc.jetstream()
+    for i in range(12):
+        presence = Presence(f"d-stop-{uuid.uuid4().hex[:6]}", slots=1, interval_s=3600, min_gap_s=0)
+        await presence.start(js)
+        presence.hold("evb-b-c1")
+        for _ in range(i % 6):  # the cancel lands at a different step of the writer each time
+            await asyncio.sleep(0)
+        presence.free("evb-b-c1")
+        async with asyncio.timeout(10):
+            await presence.stop()
+
+
 async def test_the_sampler_reads_a_quick_usage_on_the_loop_and_the_blocking_one_only_when_it_cannot() -> None:
     loop_thread: list[bool] = []
     published: list[PlacementSample] = []

@@ -133,8 +133,11 @@ class Presence:
 
     async def _loop(self) -> None:
         while True:
+            # `asyncio.timeout`, not `wait_for`: on Python 3.11 a `wait_for` cancelled just as its
+            # event is set returns instead of raising, and `stop()` then waited for ever.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), self._interval_s)
+                async with asyncio.timeout(self._interval_s):
+                    await self._changed.wait()
             self._changed.clear()
             await self._write()
             if self._min_gap_s > 0:
