@@ -76,8 +76,6 @@ class McpEndpoint:
         loading = self._loading
         try:
             app = await asyncio.shield(loading)
-        except asyncio.CancelledError:
-            raise
         except Exception as e:
             if self._loading is loading:
                 self._loading = None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import quote
@@ -21,8 +20,6 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.transport_security import TransportSecuritySettings
 
 from evalbus_gateway.api.mcp import MCP_PATH
-
-log = logging.getLogger("evalbus.gateway.mcp")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
