@@ -102,8 +102,6 @@ def gateway(gw_nats: str, pg_admin_url: str) -> Iterator[ThreadedGateway]:
             async with running_gateway(
                 gw_nats, url, tokens={ALICE: member("alice"), BOB: member("bob")}, max_request_bytes=LIMIT
             ) as gw:
-                # Load the MCP server (imported on a gateway's first /mcp request) before any request
-                # is generated: the scenarios are drawn as they were before it was lazy.
                 started.set_result(ThreadedGateway(gateway=gw, loop=asyncio.get_running_loop()))
                 while not stop.is_set():
                     await asyncio.to_thread(stop.wait, 0.5)

@@ -461,7 +461,7 @@ class Cancellations:
 def kubernetes_backend(settings: DispatcherSettings, live: LiveHandoffs | None = None) -> KubernetesBackend:
     """The Kubernetes backend the settings describe (reads the kubeconfig); `live`: the executions
     whose runners may publish the live view themselves (`DISPATCHER_RUNNER_NATS_URL`)."""
-    from evalbus_dispatcher.backends.kubernetes import JobTemplate, connect_cluster, secret_ref  # noqa: PLC0415
+    from evalbus_dispatcher.backends.kubernetes import JobTemplate, connect_cluster, secret_ref
 
     runner = settings.runner_nats()
     if runner is not None and runner.secret:
@@ -483,7 +483,7 @@ def kubernetes_backend(settings: DispatcherSettings, live: LiveHandoffs | None =
 
 def nomad_backend(settings: DispatcherSettings, live: LiveHandoffs | None = None) -> NomadBackend:
     """The Nomad backend the settings describe; `live` as for `kubernetes_backend`."""
-    from evalbus_dispatcher.backends.nomad import NomadTemplate, connect_nomad, variable_template  # noqa: PLC0415
+    from evalbus_dispatcher.backends.nomad import NomadTemplate, connect_nomad, variable_template
 
     runner = settings.runner_nats()
     if runner is not None and runner.secret:
@@ -514,7 +514,7 @@ def docker_backend(
 ) -> DockerBackend:
     """The Docker backend the settings describe (secret values resolved from `secrets` at dispatch);
     `live` as for `kubernetes_backend`."""
-    from evalbus_dispatcher.backends.docker import DockerTemplate, connect_docker  # noqa: PLC0415
+    from evalbus_dispatcher.backends.docker import DockerTemplate, connect_docker
 
     template = DockerTemplate(image=settings.image, network=settings.docker_network,
                               start_timeout_s=settings.start_timeout_s, runner_nats=settings.runner_nats())  # fmt: skip
