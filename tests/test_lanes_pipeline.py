@@ -11,6 +11,8 @@ serves only lane `gpu` (`DISPATCHER_LANES=gpu`) beside the default one.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 
@@ -21,6 +23,7 @@ from evalbus.testing.pipeline import Pipeline, agent_harness, eventually, open_p
 from evalbus_api.client import ApiRequestError
 from evalbus_api.live import RunPlacement
 from evalbus_contracts import AnswerMatchGrader, BatchSpec, CaseSpec, SuiteSpec, batch_run_id
+from evalbus_dispatcher.execute import QUEUE_MARK_S
 
 pytestmark = pytest.mark.e2e
 
@@ -104,6 +107,7 @@ async def test_a_lane_nobody_serves_waits_visibly_then_runs_when_one_starts(pipe
     run = batch_run_id(batch, "n1")
 
     placement = await blocked(p, run)
+    recorded = time.monotonic()  # n1's request was stored before this: its placement is recorded
     assert placement.reason is not None
     assert placement.reason.startswith("no dispatcher serves lane nobody: "), placement.reason
     assert placement.queue is not None
@@ -116,6 +120,9 @@ async def test_a_lane_nobody_serves_waits_visibly_then_runs_when_one_starts(pipe
     assert [w.lane for w in view.waiting] == ["nobody"]  # the batch's view says it too
     assert view.waiting[0].reason.startswith("no dispatcher serves lane nobody: ")
 
+    # A wait shorter than QUEUE_MARK_S earns no mark; a dispatcher that starts fast could take n1
+    # sooner. Not a synchronisation: the wait's length is what the mark is about.
+    await asyncio.sleep(max(0.0, recorded + QUEUE_MARK_S + 0.2 - time.monotonic()))
     await p.start("dispatcher@nobody", DISPATCHER_LANES="nobody", DISPATCHER_REPLICA_ID="d-nobody")
     view = await p.finalized(batch)
     assert view.status == "succeeded", p.diagnostics()
