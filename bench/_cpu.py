@@ -43,8 +43,32 @@ def tree_cpu_s(root: int) -> float:
     return total
 
 
+def descendants(root: int) -> list[int]:
+    """Pids of the live descendants of `root` (children, their children, …)."""
+    parent: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            fields = _stat(int(entry.name))
+            if fields is not None:
+                parent[int(entry.name)] = int(fields[1])
+    found: list[int] = []
+    frontier = {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parent.items() if ppid in frontier}
+        found.extend(frontier)
+    return found
+
+
+HARNESS_OF = "dispatcher"
+"""The component whose child processes are the harnesses (measured apart, as `harness`)."""
+
+
 class CpuMeter:
-    """CPU seconds spent by each component of a run between `start()` and `stop()`."""
+    """CPU seconds spent by each component of a run between `start()` and `stop()`.
+
+    The dispatcher's harnesses count apart from it, as `harness`: the warm workers alive (their
+    own and their children's time) and the harness processes it has already waited for (a
+    command harness's, a worker it replaced)."""
 
     def __init__(self, pids: Mapping[str, int | None]) -> None:
         self._pids = {name: pid for name, pid in pids.items() if pid is not None}
@@ -56,9 +80,16 @@ class CpuMeter:
         """Wall-clock seconds measured."""
 
     def _now(self) -> dict[str, float]:
-        out = {
-            name: (tree_cpu_s(pid) if name == "postgres" else process_cpu_s(pid)) for name, pid in self._pids.items()
-        }
+        out: dict[str, float] = {}
+        for name, pid in self._pids.items():
+            if name == "postgres":
+                out[name] = tree_cpu_s(pid)
+            elif name == HARNESS_OF:
+                own = process_cpu_s(pid, children=False)
+                out[name] = own
+                out["harness"] = process_cpu_s(pid) - own + sum(process_cpu_s(p) for p in descendants(pid))
+            else:
+                out[name] = process_cpu_s(pid)
         times = os.times()
         # this process (the driver) and the children it waited for (the backend-alone harnesses)
         out["bench"] = times.user + times.system + times.children_user + times.children_system

@@ -17,6 +17,8 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from types import TracebackType
 
+import asyncpg
+
 from evalbus.infra.nats import NatsServer, start_nats
 from evalbus.infra.postgres import (
     EmbeddedPostgres,
@@ -55,6 +57,7 @@ class Infra:
         self._embedded: EmbeddedPostgres | None = None
         self._extra: list[NatsServer] = []
         self._databases: list[str] = []
+        self._server_pid: int | None = None
 
     @property
     def nats_url(self) -> str:
@@ -69,9 +72,10 @@ class Infra:
         return self._admin_url or ""
 
     def postgres_pid(self) -> int | None:
-        """Pid of the embedded PostgreSQL server (None with `DATABASE_URL`: not ours to measure)."""
+        """Pid of the PostgreSQL server's postmaster: the embedded one's, or that of `DATABASE_URL`'s
+        server when it runs on this machine where its processes can be read (None otherwise)."""
         if self._embedded is None:
-            return None
+            return self._server_pid
         master = embedded_postmaster(self._embedded.data_dir)
         return None if master is None else master.pid
 
@@ -94,6 +98,8 @@ class Infra:
                     self.database_source = "embedded"
                 self._admin_url = admin
                 self.database_url = await self.new_database()
+                if self._embedded is None:
+                    self._server_pid = await local_postmaster(self.database_url)
         except BaseException:
             await self.__aexit__(None, None, None)
             raise
@@ -117,6 +123,28 @@ class Infra:
         for server in [*self._extra, *([self.nats] if self.nats else [])]:
             server.stop()
         self._tmp.cleanup()
+
+
+async def local_postmaster(url: str) -> int | None:
+    """The postmaster of the server at `url` when it is on this machine: the parent of the backend
+    serving a connection, if that pid is a PostgreSQL process here (a server in a container or on
+    another host has pids of its own, and this one does not measure it)."""
+    conn = await asyncpg.connect(url)
+    try:  # read while the backend lives: it exits with the connection
+        return _postgres_parent(int(await conn.fetchval("SELECT pg_backend_pid()")))
+    finally:
+        await conn.close()
+
+
+def _postgres_parent(pid: int) -> int | None:
+    """The parent of `pid` when `pid` is a PostgreSQL process on this machine."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    if not stat[stat.index("(") + 1 : stat.rindex(")")].startswith("postgres"):
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
 
 
 def pipeline_stack(
