@@ -14,7 +14,9 @@ was a 500 once, fixed in the gateway, and stays as a regression test.
 Stateful sequences follow the document's OpenAPI links (schemathesis' state machine): a batch
 submitted → read → its runs read → cancelled; online suites applied → listed → read → deleted → read
 again; a dataset uploaded → a batch naming it — each step's values from the responses before it,
-with the same two checks on every response, a bounded number of scenarios from a fixed seed.
+with the same two checks on every response, a bounded number of scenarios from a fixed seed. Every
+link out of a batch's answers (the batch, its runs, a run, its trajectory and logs, the next page,
+cancelling) is also walked from a real batch, deterministically, each one to a 2xx.
 
 The gateway runs in a thread of its own (its own event loop), because schemathesis drives its
 requests synchronously; it talks to a real nats-server and a real PostgreSQL database.
@@ -212,8 +214,6 @@ _SUITE = ("POST /v1/online/suites", "GET /v1/online/suites/{suite_id}")
 REQUIRED_STEPS: dict[str, tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]] = {
     "batches": (
         (_BATCH[:1], _BATCH[1:]),  # a batch submitted, then read
-        (_BATCH, (_RUNS,)),  # its runs read
-        ((_RUNS,), ("GET /v1/runs/{run_id}", "GET /v1/runs/{run_id}/trajectory", "GET /v1/runs/{run_id}/logs")),
         (_BATCH, ("POST /v1/batches/{batch_id}/cancel",)),  # cancelled
         (("POST /v1/datasets",), _BATCH[:1]),  # a dataset uploaded, then a batch naming it
     ),
@@ -224,7 +224,10 @@ REQUIRED_STEPS: dict[str, tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]] =
     ),
 }
 """Per machine, the linked steps (any of the sources → any of the targets, both answered 2xx) its
-scenarios must take, so the stateful run cannot quietly degrade into unrelated single calls."""
+scenarios must take, so the stateful run cannot quietly degrade into unrelated single calls. The
+steps through a batch's run listing (batch → its runs → a run) are two links deep behind a valid
+batch, so whether a bounded run draws them moved with changes that did not touch the API: their
+links are walked from a real batch, every one of them, by `test_every_link_of_a_real_batch_*`."""
 
 _IDS = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-", min_size=1, max_size=12)
 _VALID_BATCHES = st.builds(
@@ -276,16 +279,23 @@ _stateful.hook("flatmap_body").apply_to(operation_id="applyOnlineSuite")(_valid_
 _stateful.hook("flatmap_body").apply_to(operation_id="uploadDataset")(_valid_half_the_time(_VALID_DATASETS))  # type: ignore[attr-defined]
 
 
-def _cursor_from_a_page_first(ctx: Any, query: Any) -> st.SearchStrategy[Any]:
-    """A `flatmap_query` hook: a run listing mostly without a made-up `cursor` (a real one comes
-    from a page's `next_cursor`), so its runs are read and their links followed; made-up ones still
-    come, and the parametrized tests fuzz them at length."""
-    if not isinstance(query, dict) or "cursor" not in query:
+_NARROWING = ("cursor", "stage", "limit")
+"""Query parameters of a run listing whose generated values keep its page from listing runs: a
+made-up `cursor` points nowhere (a real one comes from a page's `next_cursor`), a `stage` other
+than `requested` matches none of the fixture's runs (`fan_out` records only their requests), and
+a `limit` out of range is refused."""
+
+
+def _a_full_page_first(ctx: Any, query: Any) -> st.SearchStrategy[Any]:
+    """A `flatmap_query` hook: a run listing half the time without the `_NARROWING` parameters, so
+    its page lists runs and the links to them (`cases/0/run_id`) lead to real ones; the generated
+    query still comes the other half, and the parametrized tests fuzz those parameters at length."""
+    if not isinstance(query, dict) or not any(k in query for k in _NARROWING):
         return st.just(query)
-    return st.one_of(st.just({k: v for k, v in query.items() if k != "cursor"}), st.just(query))
+    return st.one_of(st.just({k: v for k, v in query.items() if k not in _NARROWING}), st.just(query))
 
 
-_stateful.hook("flatmap_query").apply_to(operation_id="listBatchCases")(_cursor_from_a_page_first)  # type: ignore[attr-defined]
+_stateful.hook("flatmap_query").apply_to(operation_id="listBatchCases")(_a_full_page_first)  # type: ignore[attr-defined]
 MACHINES = {
     "batches": _stateful.include(
         operation_id=[
@@ -447,6 +457,72 @@ def test_linked_sequences_as_admin(
         f"never followed to a 2xx: {missing}; followed: {sorted(followed.items())}; "
         f"those steps tried: {sorted(tried)[:10]}"
     )
+
+
+def resolve(expression: str, *, body: Any, path: dict[str, str]) -> Any:
+    """The value of an OpenAPI runtime expression against a source's answer and request:
+    `$response.body#/json/pointer` or `$request.path.<name>` (the two forms the document uses)."""
+    if expression.startswith("$request.path."):
+        return path[expression.removeprefix("$request.path.")]
+    prefix = "$response.body#"
+    assert expression.startswith(prefix), f"a runtime expression this walk does not know: {expression}"
+    value = body
+    for raw in expression.removeprefix(prefix).strip("/").split("/"):
+        token = raw.replace("~1", "/").replace("~0", "~")
+        value = value[int(token)] if isinstance(value, list) else value[token]
+    return value
+
+
+def test_every_link_of_a_real_batch_leads_to_a_2xx(gateway: ThreadedGateway) -> None:
+    """From a batch submitted with two cases (its runs recorded), every OpenAPI link of every answer
+    on the way is followed, its parameters taken from that answer as the document says: the batch,
+    its runs (a page of one, so `nextPage` has a cursor), the first run, its trajectory and logs,
+    the next page, cancelling. Each must answer 2xx; the walk is deterministic, so a link that stops
+    leading anywhere fails here whatever the stateful run draws."""
+    operations = {
+        op["operationId"]: (method.upper(), path, op)
+        for path, item in DOCUMENT["paths"].items()
+        for method, op in item.items()
+    }
+    body = to_builtins(batch_spec(("w1", "w2")))
+    submitted = requests.post(f"{gateway.base_url}/v1/batches", json=body, headers=_auth(ALICE), timeout=30)
+    assert submitted.status_code == 202, submitted.text
+    fan_out(gateway, ALICE, submitted.json()["batch_id"], body)
+
+    followed: dict[tuple[str, str], int] = {}
+    # (operation, path parameters, query, its answer); cancelling goes last, as it changes the batch
+    frontier: list[tuple[str, dict[str, str], dict[str, Any], Any]] = [("submitBatch", {}, {}, submitted.json())]
+    while frontier:
+        source, source_path, _, answer = frontier.pop(0)
+        responses = operations[source][2]["responses"]
+        links = next(r.get("links", {}) for status, r in responses.items() if status.startswith("2"))
+        for name, link in sorted(links.items(), key=lambda kv: kv[1]["operationId"] == "cancelBatch"):
+            if (source, name) in followed:
+                continue
+            method, template, target = operations[link["operationId"]]
+            where = {p["name"]: p["in"] for p in target.get("parameters", [])}
+            values = {k: resolve(v, body=answer, path=source_path) for k, v in link["parameters"].items()}
+            path_params = {k: str(v) for k, v in values.items() if where[k] == "path"}
+            query = {k: v for k, v in values.items() if where[k] == "query"}
+            if link["operationId"] == "listBatchCases" and "cursor" not in query:
+                query["limit"] = 1  # a page of one of the two runs: its `nextPage` link has a cursor
+            url = gateway.base_url + template.format(**path_params)
+            answered = requests.request(method, url, params=query, headers=_auth(ALICE), timeout=30)
+            assert answered.status_code < 300, (source, name, url, query, answered.status_code, answered.text[:300])
+            followed[(source, name)] = answered.status_code
+            if answered.headers.get("Content-Type", "").startswith("application/json"):
+                frontier.append((link["operationId"], path_params, query, answered.json()))
+        frontier.sort(key=lambda f: f[0] == "cancelBatch")
+    assert {
+        ("submitBatch", "getBatch"),
+        ("submitBatch", "listBatchCases"),
+        ("submitBatch", "cancelBatch"),
+        ("getBatch", "listBatchCases"),
+        ("listBatchCases", "getRun"),
+        ("listBatchCases", "getRunTrajectory"),
+        ("listBatchCases", "getRunLogs"),
+        ("listBatchCases", "nextPage"),
+    } <= set(followed), sorted(followed)
 
 
 def test_linked_sequences_as_member(gateway: ThreadedGateway, seeded: dict[str, str]) -> None:
