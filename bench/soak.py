@@ -133,7 +133,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         async with running(stack):
             pids: dict[str, int | None] = {name: sp.process.pid for name, sp in stack.procs.items()}
             pids["nats-server"] = infra.nats.process.pid if infra.nats else None
-            if (postgres := infra.postgres_pid()) is not None:  # the embedded server is ours to measure
+            if (postgres := infra.postgres_pid()) is not None:  # the embedded server, or a local DATABASE_URL one
                 pids["postgres"] = postgres
             nc = await connect(infra.nats_url, "bench-soak")
             arrivals = Arrivals()
