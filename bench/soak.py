@@ -38,6 +38,7 @@ if __package__ in (None, ""):  # run as `python bench/soak.py`: make `bench.*` i
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import asyncpg
+from bench._cpu import rss_bytes
 from bench._goals import add_check_flag, goal, goal_notes, verdict
 from bench._infra import Infra, pipeline_stack, quiet_logs, running
 from bench._report import fmt, report
@@ -50,19 +51,6 @@ from evalbus_contracts import CommandHarness, ExactJudge
 from evalbus_runtime import Publisher, connect
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def rss_bytes(pid: int | None) -> int | None:
-    """Resident memory of `pid` (VmRSS), None when it is gone."""
-    if pid is None:
-        return None
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 @dataclass
