@@ -88,6 +88,7 @@ async def sample(
     infra: Infra, nc: NatsClient, pids: dict[str, int | None], arrivals: Arrivals, since: float, now: float, t0: float
 ) -> dict[str, Any]:
     info = await nc.jetstream().stream_info("CASES")
+    live = await nc.jetstream().stream_info("LIVE")  # fills for its first 15 minutes (its max age)
     conn = await asyncpg.connect(infra.database_url)
     try:
         events = int(await conn.fetchval("SELECT count(*) FROM events"))
@@ -100,6 +101,8 @@ async def sample(
         "rss": {name: rss_bytes(pid) for name, pid in pids.items()},
         "stream_messages": int(info.state.messages),
         "stream_bytes": int(info.state.bytes),
+        "live_messages": int(live.state.messages),
+        "live_bytes": int(live.state.bytes),
         "events": events,
         "store_bytes": store_bytes,
         "exported_in_window": len(window),
@@ -288,7 +291,9 @@ def cli() -> None:
     out = asyncio.run(main(args))
     written = write_results(out)
     names = list(out["samples"][0]["rss"]) if out["samples"] else []
-    table = [("minute", "p50 s", "p99 s", "exported", "stream MiB", "store MiB", *[f"{n} MiB" for n in names])]
+    table = [
+        ("minute", "p50 s", "p99 s", "exported", "stream MiB", "LIVE MiB", "store MiB", *[f"{n} MiB" for n in names])
+    ]
     for s in out["samples"]:
         table.append(
             (
@@ -297,6 +302,7 @@ def cli() -> None:
                 fmt(s["p99_s"], digits=3),
                 str(s["exported_in_window"]),
                 fmt(s["stream_bytes"] / 2**20, digits=1),
+                fmt(s.get("live_bytes", 0) / 2**20, digits=1),
                 fmt(s["store_bytes"] / 2**20, digits=1),
                 *[fmt((s["rss"].get(n) or 0) / 2**20, digits=0) for n in names],
             )

@@ -3,7 +3,7 @@
 Configured by environment: WORKER_CONSUMER (JSON ConsumerDef), WORKER_MARKS (a file that gets one
 line per start/end of a message), WORKER_WORK_S (seconds of work per message), WORKER_MODE
 (`ok`, `fail` = always raise, `poison-on-input` = Poison when the case input is "poison"),
-WORKER_CONCURRENCY.
+WORKER_CONCURRENCY, WORKER_SETTLED (set: the stage's `settled_by` is its `case.executed`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,17 @@ import msgspec
 from evalbus_contracts import CaseExecuted, CaseRequested, CaseResult
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import ConsumerDef
-from evalbus_runtime import Delivery, Poison, Service, ServiceSettings, Stage, load_settings, run_service
+from evalbus_contracts.subjects import CASE_EXECUTED
+from evalbus_runtime import (
+    Delivery,
+    Poison,
+    Service,
+    ServiceSettings,
+    Stage,
+    load_settings,
+    run_service,
+    settled_by_output,
+)
 
 
 def mark(path: str, text: str) -> None:
@@ -59,6 +69,7 @@ def build(service: Service) -> None:
             accepts=(CaseRequested,),
             concurrency=int(os.environ.get("WORKER_CONCURRENCY", "4")),
             retry_base_s=0.1,
+            settled_by=settled_by_output(CASE_EXECUTED) if os.environ.get("WORKER_SETTLED") else lambda _event: (),
         )
     )
 

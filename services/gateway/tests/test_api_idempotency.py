@@ -11,7 +11,6 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
-from datetime import timedelta
 from typing import Any
 
 import aiohttp
@@ -19,21 +18,20 @@ import msgspec
 import pytest
 from nats.aio.client import Client as NatsClient
 
+from evalbus.testing.bus import window_passed
 from evalbus.testing.pipeline import eventually
 from evalbus_api.models import ErrorBody
 from evalbus_contracts import (
-    BatchCancelled,
     BatchRequested,
     BatchSpec,
     ContainsJudge,
     ExactJudge,
     decode_event,
-    encode,
     to_builtins,
 )
 from evalbus_contracts.objects import DatasetIndex, ObjectRef
 from evalbus_contracts.streams import CASES
-from evalbus_gateway.api.idempotency import Claim, spec_digest
+from evalbus_gateway.api.idempotency import spec_digest
 from evalbus_gateway.api.routes import idempotent_batch_id
 from evalbus_gateway.store import get_batch, get_batch_request
 from evalbus_gateway.testing import BatchScript, RunningGateway, batch_spec, member, running_gateway
@@ -74,17 +72,6 @@ def test_the_digest_knows_a_dataset_by_its_content_and_leaves_out_the_index_the_
     assert spec_digest(naming(uploaded_again, DatasetIndex(cases=1))) == spec_digest(naming(ref))
     assert spec_digest(naming(msgspec.structs.replace(ref, sha256="b" * 64))) != spec_digest(naming(ref))
     assert spec_digest(naming(msgspec.structs.replace(ref, size=11))) != spec_digest(naming(ref))
-
-
-@pytest.mark.unit
-def test_a_retry_republishes_only_inside_the_duplicate_window() -> None:
-    original = BatchScript("bx", batch_spec(("c1",))).requested()
-    window = timedelta(hours=1)
-    retry = Claim(original=original, published=False)
-    assert retry.deduplicated(window, original.ts + timedelta(seconds=5))
-    assert not retry.deduplicated(window, original.ts + timedelta(minutes=55))
-    assert not retry.deduplicated(timedelta(seconds=1), original.ts + timedelta(seconds=5))
-    assert Claim(original=original, published=True).deduplicated(window, original.ts + window * 2)
 
 
 # ---------------------------------------------------------------- against the gateway
@@ -230,20 +217,6 @@ async def short_window(gateway: RunningGateway, bus: tuple[NatsClient, Publisher
         await ensure_stream(js, CASES)
 
 
-async def window_passed(nc: NatsClient) -> None:
-    """Wait until the CASES duplicate window has forgotten every `Nats-Msg-Id` published before this
-    call: a probe id published now is, sent again, no longer a duplicate."""
-    js = nc.jetstream()
-    probe = BatchCancelled(batch_id=f"bprobe{uuid.uuid4().hex[:8]}", reason="cancelled", by="test")
-    msg_id = {"Nats-Msg-Id": f"probe:{probe.batch_id}"}
-    assert not (await js.publish(probe.subject(), encode(probe), headers=msg_id)).duplicate
-
-    async def forgotten() -> bool:
-        return not (await js.publish(probe.subject(), encode(probe), headers=msg_id)).duplicate
-
-    await eventually(forgotten, timeout_s=30, what="the duplicate window to forget the probe's id")
-
-
 @pytest.mark.usefixtures("short_window")
 async def test_after_the_window_a_retry_still_publishes_nothing_and_another_body_is_a_409(
     gateway: RunningGateway, bus: tuple[NatsClient, Publisher]
@@ -273,7 +246,7 @@ async def test_after_the_window_a_retry_still_publishes_nothing_and_another_body
 
 
 @pytest.mark.usefixtures("short_window")
-async def test_after_the_window_a_rejudge_retry_publishes_nothing_and_other_judges_are_a_409(
+async def test_after_the_window_a_rejudge_retry_publishes_only_missing_runs_and_other_judges_are_a_409(
     gateway: RunningGateway, bus: tuple[NatsClient, Publisher]
 ) -> None:
     nc, pub = bus
@@ -303,6 +276,12 @@ async def test_after_the_window_a_rejudge_retry_publishes_nothing_and_other_judg
 
     same_judges = {"judges": to_builtins(script.spec.judges)}  # the old judges, named: the same new batch
     assert await post(gateway, ALICE, key, same_judges, path) == (status, body)
+    assert (len(await requests_on_stream(nc, new)), await executed_on_stream()) == (1, 2)
+
+    # A first attempt that stopped after one run: the retry publishes the other, and only it.
+    await nc.jetstream().purge_stream("CASES", subject=f"case.executed.{new}.c2")
+    assert await executed_on_stream() == 1
+    assert await post(gateway, ALICE, key, {}, path) == (status, body)
     assert (len(await requests_on_stream(nc, new)), await executed_on_stream()) == (1, 2)
     other = {"judges": [to_builtins(ContainsJudge(id="contains"))]}
     assert reused(*await post(gateway, ALICE, key, other, path), new)

@@ -243,7 +243,10 @@ def lane_publish_grants(lane: str) -> list[Grant]:
         Grant(f"$JS.ACK.CASES.{durable}.>", why + ": ack, nak, in_progress, term"),
         # No unfiltered `$JS.API.CONSUMER.CREATE.CASES`: through it a user may update any durable
         # consumer of CASES by name (another lane's filter); it reads cancellations per batch instead.
-        Grant("$JS.API.STREAM.MSG.GET.CASES", "a batch's cancellation (DISPATCHER_CANCELLATIONS=lookup), dead letters"),
+        Grant(
+            "$JS.API.STREAM.MSG.GET.CASES",
+            "a batch's cancellation (DISPATCHER_CANCELLATIONS=lookup), dead letters, a redelivery's stored outputs",
+        ),
         Grant("$JS.API.STREAM.MSG.GET.LIVE", "a retried run's live log offset"),
         Grant(pinned, "retries of its lane's cases (CaseRequested)"),
         Grant("case.executed.>", "executed cases (CaseExecuted)"),
@@ -328,7 +331,12 @@ def publish_grants(user: ServiceUser) -> list[Grant]:
         if stream not in get_streams:
             get_streams.append(stream)
     for stream in get_streams:
-        grants.append(Grant(f"$JS.API.STREAM.MSG.GET.{stream}", "dead-lettering exhausted messages, last reads"))
+        grants.append(
+            Grant(
+                f"$JS.API.STREAM.MSG.GET.{stream}",
+                "dead-lettering exhausted messages, last reads, a redelivery's stored outputs",
+            )
+        )
     for stream in user.direct_gets:
         grants.append(Grant(f"$JS.API.DIRECT.GET.{stream}.>", "key-value reads"))
     grants += list(user.publishes)

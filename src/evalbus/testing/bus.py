@@ -176,3 +176,21 @@ async def dead_letters(nc: NatsClient, service: str, timeout_s: float = 0.5) -> 
     finally:
         await sub.unsubscribe()
     return out
+
+
+async def window_passed(nc: NatsClient) -> None:
+    """Wait until the CASES duplicate window has forgotten every `Nats-Msg-Id` published before this
+    call: a probe id published now is, sent again, no longer a duplicate (a test shortens the window
+    with `ensure_stream` first)."""
+    from evalbus_contracts import BatchCancelled, encode
+
+    js = nc.jetstream()
+    probe = BatchCancelled(batch_id=f"bprobe{uuid.uuid4().hex[:8]}", reason="cancelled", by="test")
+    msg_id = {"Nats-Msg-Id": f"probe:{probe.batch_id}"}
+    assert not (await js.publish(probe.subject(), encode(probe), headers=msg_id)).duplicate
+
+    deadline = time.monotonic() + 30.0
+    while (await js.publish(probe.subject(), encode(probe), headers=msg_id)).duplicate:
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for the duplicate window to forget the probe's id")
+        await asyncio.sleep(0.1)

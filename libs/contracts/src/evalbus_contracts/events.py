@@ -3,7 +3,8 @@ timestamp and the batch / case / run / attempt ids it concerns.
 
 `subject()` and `msg_id()` are pure: the subject it is published on and its `Nats-Msg-Id`
 (`<type>:<run id>` for run events, `<type>:<batch id>` for batch events), so a redelivered
-stage cannot emit twice inside the duplicate window.
+stage cannot emit twice inside the duplicate window, and `stage_output_key` names the output a
+redelivery looks for on the stream after it.
 """
 
 from __future__ import annotations
@@ -153,6 +154,20 @@ class _CaseEvent(_Event, frozen=True, kw_only=True):
 
     def subject(self) -> str:
         return s.case_subject(self.type, _req(self.batch_id, "batch id"), _req(self.case_id, "case id"))
+
+
+EventKey = tuple[str, str]
+"""An event's subject and `Nats-Msg-Id`: what finds its stored copy on the stream."""
+
+
+def stage_output_key(kind: str, event: EventBase) -> EventKey | None:
+    """The key of the `kind` event (`case.collected`, `case.judged`, `case.exported`, …) of the same
+    batch run as `event`, the stage input it would be the output of: `case.judged` of a
+    `case.executed` is on `case.judged.<batch>.<case>` with id `case.judged:<run>`. None for an
+    event of no batch run (an observation, a batch event)."""
+    if not isinstance(event, _CaseEvent) or not (event.batch_id and event.case_id and event.run_id):
+        return None
+    return s.case_subject(kind, event.batch_id, event.case_id), f"{kind}:{event.run_id}"
 
 
 class CaseRequested(_CaseEvent, frozen=True, kw_only=True, tag="case.requested"):

@@ -2,7 +2,7 @@
 tracing, health and shutdown — written once, used by all five services."""
 
 from evalbus_runtime.bus import connect, ensure_topology
-from evalbus_runtime.consumer import ConsumerLoop, Delivery, Handler, Stage
+from evalbus_runtime.consumer import ConsumerLoop, Delivery, Handler, Stage, settled_by_output
 from evalbus_runtime.errors import Poison, PublishFailedError, Retry, RuntimeFailure
 from evalbus_runtime.metrics import ServiceMetrics
 from evalbus_runtime.publisher import PubAck, Publisher
@@ -34,4 +34,5 @@ __all__ = [
     "ensure_topology",
     "load_settings",
     "run_service",
+    "settled_by_output",
 ]

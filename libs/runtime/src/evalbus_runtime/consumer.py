@@ -6,6 +6,13 @@ messages arriving on one inbox subscription), which the bus notes measured 3–4
 `fetch()`. The loop keeps a credit: it never has more messages requested than it has free slots,
 so a replica with no free slot pulls nothing and its work flows to other replicas.
 
+A redelivered message (a replica died between its output's PubAck and its ack, or the handler
+asked for a retry) is first checked against the stream: when the stage's `settled_by` output is
+stored already, it is acked without running the handler again (no second sink write, no second
+LLM judgement, no second run of the agent); otherwise the handler runs and only the outputs not
+stored yet are published (`Publisher.publish_missing`). Both hold beyond JetStream's duplicate
+window, which is therefore short.
+
 The handler decides delivery: return the output events (ack after they are stored); raise `Retry`
 (nak with exponential delay); raise `Poison` (term + copy to `dlq.<service>`). Any other exception
 is a retry. A message that fails its last allowed delivery is dead-lettered by the loop; one that
@@ -30,7 +37,7 @@ from nats.aio.subscription import Subscription
 
 from evalbus_contracts import DeadLetter, decode_event
 from evalbus_contracts.codec import NewerSchemaError
-from evalbus_contracts.events import EventBase
+from evalbus_contracts.events import EventBase, EventKey, stage_output_key
 from evalbus_contracts.streams import ConsumerDef, max_deliveries_advisory
 from evalbus_runtime.errors import PayloadTooLargeError, Poison, PublishFailedError, Retry
 from evalbus_runtime.faults import NO_FAULTS, FaultPoint, Faults
@@ -66,9 +73,24 @@ class Stage:
     """Longest retry delay."""
     pull_expires_s: float = 10.0
     """Lifetime of one pull request."""
+    settled_by: Callable[[Any], Sequence[EventKey]] = field(default=lambda _event: ())
+    """The outputs that, any one of them stored, mean a redelivered input was handled before: the
+    loop then acks it without running the handler. Only for an output the handler publishes
+    alone (were it published beside others, one could be stored and another not)."""
     pool: SlotPool | None = None
     """Slots shared with other stages of this replica (`slots.py`): a message is handled only once
     it holds one of them as well as one of this stage's `concurrency` (None: `concurrency` alone)."""
+
+
+def settled_by_output(kind: str) -> Callable[[Any], Sequence[EventKey]]:
+    """`Stage.settled_by` of a stage whose one output per input is the `kind` event of the same
+    batch run (the judge's `case.judged` of a `case.executed`)."""
+
+    def keys(event: Any) -> Sequence[EventKey]:
+        key = stage_output_key(kind, event) if isinstance(event, EventBase) else None
+        return () if key is None else (key,)
+
+    return keys
 
 
 @dataclass
@@ -351,13 +373,22 @@ class ConsumerLoop:
                 check_subject(event, delivery.subject)
             run_token = run_id_var.set(getattr(event, "run_id", None))
             batch_token = batch_id_var.set(getattr(event, "batch_id", None))
+            redelivered = num_delivered > 1
             try:
                 with message_span(f"{self._label} process", headers, {"messaging.destination": delivery.subject}):
-                    outputs = await self._stage.handler(event, delivery)
+                    outputs = (
+                        None
+                        if redelivered and await self._settled(event)
+                        else await self._stage.handler(event, delivery)
+                    )
                     if self._faults.armed:
                         self._fault("before_publish", event)
                     if outputs:
-                        await self._pub.publish_events(outputs)
+                        if redelivered:
+                            acks = await self._pub.publish_missing(outputs)
+                            outputs = [o for o, a in zip(outputs, acks, strict=True) if not a.duplicate]
+                        else:
+                            await self._pub.publish_events(outputs)
                         for out in outputs:
                             counter = self._published.get(out.type)
                             if counter is None:
@@ -400,6 +431,16 @@ class ConsumerLoop:
             self._outcomes[outcome].inc()
             self._handle_hist.observe(time.monotonic() - started)
             delivery.release_slot()
+
+    async def _settled(self, event: Any) -> bool:
+        """Whether a redelivered `event` was handled before: one of its stage's `settled_by`
+        outputs is stored."""
+        for key in self._stage.settled_by(event):
+            found = await self._pub.stored(key)
+            if found is not None:
+                log.info("%s: %s is stored already (seq %d); acking the redelivery", self._label, key[1], found.seq)
+                return True
+        return False
 
     def _fault(self, point: FaultPoint, event: Any) -> None:
         self._faults.check(point, self._label, str(getattr(event, "type", "")), getattr(event, "run_id", None))

@@ -5,6 +5,13 @@ several times faster than `js.publish` (see the bus notes). Every event goes out
 `Nats-Msg-Id = event.msg_id()`, its type and schema version, and the W3C `traceparent` of the
 current span. A publish that times out is retried with the same id: if the first attempt was in
 fact stored, the retry comes back `duplicate`, which is success.
+
+JetStream drops a repeated id only inside the stream's duplicate window (CASES: 2 minutes), and
+keeps each id in RAM for that long. Beyond it, `stored` finds an event's copy by reading its
+subject (one direct read of the subject's last message; a few more on a subject several runs share,
+a case's trials), and `publish_missing` publishes only what is not stored: the consumer loop uses
+it for every redelivered message, so a stage that comes back an hour after a crash still does not
+publish its output twice.
 """
 
 from __future__ import annotations
@@ -19,9 +26,11 @@ import msgspec
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js.errors import NotFoundError
 
 from evalbus_contracts import encode
-from evalbus_contracts.events import CaseRequested, EventBase
+from evalbus_contracts.events import CaseRequested, EventBase, EventKey
+from evalbus_contracts.streams import stream_of
 from evalbus_runtime.errors import PayloadTooLargeError, PublishFailedError
 from evalbus_runtime.tracing import inject_run_traceparent, inject_traceparent
 
@@ -62,6 +71,13 @@ def event_headers(event: EventBase, extra: Mapping[str, str] | None = None) -> d
     else:
         inject_traceparent(headers)
     return headers
+
+
+SCAN_MAX = 64
+"""Messages of one subject `stored` reads before it gives up (a case's trials and attempts share
+its subjects; more than this many is no subject evalbus writes)."""
+LOOKUPS_AT_ONCE = 64
+"""Reads `publish_missing` has in flight at once (a redelivered fan-out checks every case)."""
 
 
 def _expire(fut: asyncio.Future[PubAck | str]) -> None:
@@ -133,6 +149,52 @@ class Publisher:
         if len(batch) == 1:
             return [await self.publish_event(batch[0])]
         return list(await asyncio.gather(*(self.publish_event(e) for e in batch)))
+
+    async def stored(self, key: EventKey) -> PubAck | None:
+        """The stored copy of the event with this subject and `Nats-Msg-Id` (its stream, its
+        sequence, `duplicate` set), or None when its stream has none. A read that fails raises:
+        the caller retries rather than publish what may be there."""
+        subject, msg_id = key
+        stream = stream_of(subject)
+        if stream is None:
+            return None
+        js = self._nc.jetstream()
+        try:
+            last = await js.get_msg(stream.name, subject=subject)
+        except NotFoundError:
+            return None
+        if (last.headers or {}).get("Nats-Msg-Id") == msg_id:
+            return PubAck(stream=stream.name, seq=int(last.seq or 0), duplicate=True)
+        seq = 1
+        for _ in range(SCAN_MAX):
+            try:
+                msg = await js.get_msg(stream.name, seq=seq, subject=subject, next=True)
+            except NotFoundError:
+                return None
+            found = int(msg.seq or 0)
+            if found >= int(last.seq or 0):
+                return None  # the last one, read above
+            if (msg.headers or {}).get("Nats-Msg-Id") == msg_id:
+                return PubAck(stream=stream.name, seq=found, duplicate=True)
+            seq = found + 1
+        log.warning("%s holds more than %d messages: %s not looked up further", subject, SCAN_MAX, msg_id)
+        return None
+
+    async def publish_missing(self, events: Iterable[EventBase]) -> list[PubAck]:
+        """Publish those of `events` whose copy is not stored yet (`stored`); the acks of all, the
+        ones found marked `duplicate`. For a redelivered message, whose first delivery may have
+        published them longer ago than the duplicate window."""
+        gate = asyncio.Semaphore(LOOKUPS_AT_ONCE)
+
+        async def one(event: EventBase) -> PubAck:
+            async with gate:
+                found = await self.stored((event.subject(), event.msg_id()))
+            if found is not None:
+                log.info("%s %s is stored already (seq %d): not published again", event.type, event.msg_id(), found.seq)
+                return found
+            return await self.publish_event(event)
+
+        return list(await asyncio.gather(*(one(e) for e in events)))
 
     async def publish_raw(self, subject: str, payload: bytes, headers: Mapping[str, str] | None = None) -> PubAck:
         """Publish bytes and wait for the PubAck, retrying timeouts with the same headers (same msg id).

@@ -16,7 +16,8 @@ from evalbus_collector.settings import CollectorSettings
 from evalbus_contracts import CaseCollected, CaseExecuted
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import COLLECTOR_CASES
-from evalbus_runtime import Delivery, Retry, SecretStore, Service, Stage
+from evalbus_contracts.subjects import CASE_COLLECTED
+from evalbus_runtime import Delivery, Retry, SecretStore, Service, Stage, settled_by_output
 from evalbus_runtime.objects import ObjectReadError, ObjectStoreError
 from evalbus_runtime.payloads import COLLECTED_FILE, load_result, offload_result, unreadable
 from evalbus_traces import build_source, collect_trace
@@ -74,7 +75,13 @@ def build_collector(service: Service, settings: CollectorSettings, secrets: Secr
     service.on_start(start)
     service.on_stop(stop)
     service.add_stage(
-        Stage(consumer=COLLECTOR_CASES, handler=handle, accepts=(CaseExecuted,), concurrency=settings.concurrency)
+        Stage(
+            consumer=COLLECTOR_CASES,
+            handler=handle,
+            accepts=(CaseExecuted,),
+            concurrency=settings.concurrency,
+            settled_by=settled_by_output(CASE_COLLECTED),
+        )
     )
     online = OnlineIngest(service, settings)
     online.wire()

@@ -48,7 +48,7 @@ def fan_out(req: BatchRequested, cases: Iterable[CaseSpec] | None = None) -> lis
     cases are the suite's inline ones unless given (read from its dataset).
 
     Run ids are derived (`evb-<batch>-<case>[-t<trial>]`), so a redelivered batch fans out to
-    the same runs and JetStream's duplicate window drops the repeats.
+    the same runs, and the consumer loop publishes only those the stream does not hold yet.
     """
     if not req.batch_id:
         raise ValueError("a batch request needs a batch id")

@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -46,7 +46,7 @@ from evalbus_contracts import (
     subjects,
 )
 from evalbus_contracts.control import TERMINAL_PING_S
-from evalbus_contracts.events import EventBase
+from evalbus_contracts.events import EventBase, EventKey, stage_output_key
 from evalbus_contracts.streams import CASES, DISPATCHER_BATCHES, LIVE
 from evalbus_dispatcher.artifacts import RunObjects
 from evalbus_dispatcher.backends.base import Mark, SandboxHandle, is_observed
@@ -604,6 +604,15 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         except ValueError as e:
             raise Poison(f"batch.requested cannot be fanned out: {e}") from e
 
+    def settled_execution(req: Any) -> Sequence[EventKey]:
+        """A redelivered request was executed already when its `case.executed` or its next
+        attempt's request is stored: the agent does not run a second time."""
+        if not isinstance(req, CaseRequested):
+            return ()
+        retry = next_attempt(req)
+        executed = stage_output_key(subjects.CASE_EXECUTED, req)
+        return (*(() if executed is None else (executed,)), (retry.subject(), retry.msg_id()))
+
     async def on_case(req: CaseRequested, delivery: Delivery) -> Sequence[EventBase]:
         try:
             run_id_of(req)
@@ -664,5 +673,12 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         )
     for lane in lanes:
         service.add_stage(
-            Stage(consumer=lane_consumer(lane), handler=on_case, accepts=(CaseRequested,), concurrency=most, pool=pool)
+            Stage(
+                consumer=lane_consumer(lane),
+                handler=on_case,
+                accepts=(CaseRequested,),
+                concurrency=most,
+                pool=pool,
+                settled_by=settled_execution,
+            )
         )

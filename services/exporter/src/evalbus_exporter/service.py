@@ -11,9 +11,10 @@ import msgspec
 from evalbus_contracts import CaseJudged
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import EXPORTER_CASES
+from evalbus_contracts.subjects import CASE_EXPORTED
 from evalbus_exporter.export import SinkCache, SinkFactory, export_case, unexportable
 from evalbus_exporter.sinks.factory import SinkBuilder
-from evalbus_runtime import Delivery, Retry, Service, ServiceSettings, Stage
+from evalbus_runtime import Delivery, Retry, Service, ServiceSettings, Stage, settled_by_output
 from evalbus_runtime.objects import ObjectReadError, ObjectStoreError
 from evalbus_runtime.payloads import load_result, unreadable
 
@@ -67,5 +68,6 @@ def build_exporter(service: Service, settings: ExporterSettings, factory: SinkFa
             handler=handle,
             accepts=(CaseJudged,),
             concurrency=settings.concurrency,
+            settled_by=settled_by_output(CASE_EXPORTED),  # a redelivered case exported already is not sent again
         )
     )

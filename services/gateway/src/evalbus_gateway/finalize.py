@@ -1,10 +1,12 @@
 """Finalisation wiring: publish `batch.finalized` for batches the recorder found complete.
 
 The aggregate itself is pure (`aggregate.build_finalized`) and read from the store by
-`store.finalize_batch`; this module is the edge that publishes it. Publishing more than once is
-safe: the event's `Nats-Msg-Id` is `batch.finalized:<batch>` (JetStream drops a repeat inside the
-duplicate window) and the store keeps only the first `batch.finalized` of a batch, so a
-redelivered message, two replicas, or the start-up sweep can all call this for the same batch.
+`store.finalize_batch`; this module is the edge that publishes it. Calling it more than once is
+safe: it publishes only when the stream has no `batch.finalized` of the batch yet
+(`Publisher.publish_missing`, also after JetStream's duplicate window), two replicas racing are
+inside that window (the event's `Nats-Msg-Id` is `batch.finalized:<batch>`), and the store keeps
+only the first `batch.finalized` of a batch — so a redelivered message, two replicas, or the
+start-up sweep can all call this for the same batch.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ async def finalize_completed(db: Database, publisher: Publisher, batch_ids: Iter
     for batch_id in dict.fromkeys(batch_ids):
         try:
             event = await finalize_batch(db, batch_id)
-            await publisher.publish_event(event)
+            await publisher.publish_missing([event])
         except Exception as e:
             log.warning("finalizing %s failed: %s: %s", batch_id, type(e).__name__, e)
             failure = failure or e

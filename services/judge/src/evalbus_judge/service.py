@@ -13,12 +13,13 @@ from prometheus_client import Counter
 from evalbus_contracts import CaseCollected, CaseExecuted, CaseObserved
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import JUDGE_CASES
+from evalbus_contracts.subjects import CASE_JUDGED
 from evalbus_judge.apply import ReadyEvent, judge_ready, observation_retry_delay, unreadable_payload
 from evalbus_judge.budget import BudgetUnavailableError, SpendLedger
 from evalbus_judge.chat import ChatClient
 from evalbus_judge.limits import ProviderLimits
 from evalbus_judge.registry import JudgeRegistry, ModelDefaults
-from evalbus_runtime import Delivery, Poison, Retry, Service, ServiceSettings, Stage
+from evalbus_runtime import Delivery, Poison, Retry, Service, ServiceSettings, Stage, settled_by_output
 from evalbus_runtime.objects import ObjectReadError, ObjectStoreError
 from evalbus_runtime.payloads import keep_offloaded, load_result, unreadable
 
@@ -134,6 +135,7 @@ def build_judge(service: Service, settings: JudgeSettings, registry: JudgeRegist
             handler=handle,
             accepts=(CaseExecuted, CaseCollected, CaseObserved),
             concurrency=settings.concurrency,
+            settled_by=settled_by_output(CASE_JUDGED),  # a redelivered case judged already costs no LLM call
         )
     )
     return reg

@@ -19,7 +19,7 @@ How a keyed request claims its batch id (`claim_batch`):
    (after JetStream's duplicate window a publish would be a *second* `batch.requested` for the
    batch), a mismatch is the 409.
 2. Not found: publish it. Its `Nats-Msg-Id` (`batch.requested:<id>`) lets JetStream store exactly
-   one of several concurrent requests: they overlap in time, so each is inside the others' 1 h
+   one of several concurrent requests: they overlap in time, so each is inside the others' 2-minute
    duplicate window. A request whose PubAck says `duplicate` lost the race and goes back to step 1,
    where the winner's event now is: 202 when the requests are the same, 409 when not.
 
@@ -40,15 +40,12 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass
-from datetime import datetime, timedelta
 
 import msgspec
 from aiohttp import web
 
 from evalbus_api.models import ErrorBody
 from evalbus_contracts import BatchRequested, BatchSpec
-from evalbus_contracts.events import utcnow
-from evalbus_contracts.streams import CASES
 from evalbus_gateway.api.errors import ApiError
 from evalbus_gateway.api.reads import requested_on_stream
 from evalbus_gateway.api.table import Body, Param
@@ -61,11 +58,6 @@ HEADER = "Idempotency-Key"
 """The request header (and the `field` of its errors)."""
 KEY_MAX = 200
 """Longest key accepted, characters."""
-WINDOW_SHARE = 0.9
-"""The share of the CASES duplicate window `Claim.deduplicated` trusts (54 of 60 minutes): the
-original's `ts` was stamped by another replica's clock."""
-
-
 KEY_REUSED = Body(
     "The `Idempotency-Key` was used with a different request (`error.field` = `Idempotency-Key`)", ErrorBody
 )
@@ -142,20 +134,6 @@ class Claim:
     """The batch's `batch.requested` (this request's own when `published`)."""
     published: bool
     """This request stored the batch's `batch.requested`; False for a retry."""
-
-    def deduplicated(self, window: timedelta, now: datetime | None = None) -> bool:
-        """Whether the batch's events, published again now, are still dropped as duplicates by
-        JetStream: this request published them, or the original is younger than `WINDOW_SHARE` of
-        the stream's duplicate `window`. Then a retry may republish what a first attempt that
-        stopped halfway did not."""
-        age = (now or utcnow()) - self.original.ts
-        return self.published or age < window * WINDOW_SHARE
-
-
-async def duplicate_window(state: GatewayState) -> timedelta:
-    """The CASES stream's duplicate window as the server has it."""
-    info = await state.js.stream_info(CASES.name)
-    return timedelta(seconds=float(info.config.duplicate_window or 0))
 
 
 async def claim_batch(state: GatewayState, event: BatchRequested) -> Claim:

@@ -45,7 +45,6 @@ from evalbus_contracts import (
 from evalbus_gateway.api.errors import ApiError, not_found
 from evalbus_gateway.api.idempotency import (
     claim_batch,
-    duplicate_window,
     idempotency_key,
     key_param,
     keyed_batch_id,
@@ -186,15 +185,18 @@ async def _publish(call: Call, requested: BatchRequested, cases: list[CaseExecut
     Without a key the id is fresh and everything goes out at once. With one, `batch.requested`
     claims the id first (`claim_batch`: a retry or the 409 of a reused key), and only then are the
     runs published — so a request that lost the id publishes none of its own runs into another
-    request's batch. A retry republishes the runs while JetStream still drops them as duplicates,
-    completing a first attempt that stopped after its claim; later it publishes nothing."""
+    request's batch. A retry completes a first attempt that stopped after its claim: it publishes the
+    runs the stream does not hold yet (`Publisher.publish_missing`, one read per run), which needs
+    no clock — a replica's clock minutes off once made "still inside the duplicate window" a guess."""
     publisher = call.state.publisher
     if not keyed:
         await publisher.publish_events([requested, *cases])
         return True
     claim = await claim_batch(call.state, requested)
-    if claim.published or claim.deduplicated(await duplicate_window(call.state)):  # a new batch reads no window
+    if claim.published:
         await publisher.publish_events(cases)
+    else:
+        await publisher.publish_missing(cases)
     return claim.published
 
 
