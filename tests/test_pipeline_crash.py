@@ -11,9 +11,12 @@ prove each batch ends exactly as an undisturbed run of the same deterministic su
    (`FAULT_KILL=before_ack:…`, `evalbus_runtime.faults`) SIGKILLs the service right after
    JetStream acknowledged its output for case c04 (for the gateway: right after the recorder's
    transaction holding c04's `case.exported` committed) and before it acks the input. The
-   redelivery does the work a SECOND time and publishes (records) it again: only `Nats-Msg-Id`
-   deduplication and the store's first-write-wins keep the batch exactly once. The dispatcher is
-   also killed after its fan-out's PubAcks, before it acks the `batch.requested`.
+   redelivery finds that output on the stream (the stage's `settled_by`: the run's
+   `case.executed`, `case.judged` or `case.exported`) and acks without doing the work again; a
+   stage without it would run again and publish only what the stream lacks
+   (`Publisher.publish_missing`), and the gateway's recorder skips a sequence it stored. The
+   dispatcher is also killed after its fan-out's PubAcks, before it acks the `batch.requested`;
+   that redelivery publishes only the requests the stream lacks (none).
 
 What is proved for every batch:
 - the same status and the same scorecard (summary and export status; latency metrics excluded,
