@@ -1,5 +1,5 @@
 """Crash-resume: for each of the dispatcher, the judge, the exporter and the gateway (its
-recorder), SIGKILL the service in the two windows of the delivery contract, start it again, and
+recorder), SIGKILL the service in the windows of the delivery contract, start it again, and
 prove each batch ends exactly as an undisturbed run of the same deterministic suite:
 
 1. **mid-message** — the service holds an unacknowledged message whose output is not published
@@ -17,25 +17,33 @@ prove each batch ends exactly as an undisturbed run of the same deterministic su
    (`Publisher.publish_missing`), and the gateway's recorder skips a sequence it stored. The
    dispatcher is also killed after its fan-out's PubAcks, before it acks the `batch.requested`;
    that redelivery publishes only the requests the stream lacks (none).
+3. **after the PubAck, redelivered past the duplicate window** — the same kills of the dispatcher,
+   the judge and the exporter, but before the target starts again CASES' duplicate window is cut to
+   1 s and the test waits until it has forgotten the output's `Nats-Msg-Id` (`window_passed`); only
+   the redelivery's lookup of its output on the stream keeps every output once. Each faulted case
+   also reaches the OTLP sink once: a settled redelivery sends nothing.
 
 What is proved for every batch:
 - the same status and the same scorecard (summary and export status; latency metrics excluded,
   being timings) as an undisturbed batch run on the same pipeline just before;
 - every run exactly once per stage, in the event store (rows of `events` per run and type, no
   refused duplicates) and on the stream (`case.*` messages per run and type in CASES: a duplicate
-  there would mean a publish escaped the `Nats-Msg-Id` dedupe window);
+  there would mean a publish escaped both the lookup and the `Nats-Msg-Id` window);
 - every run's trajectory sealed and intact (`verify_batch`), every case once in the jsonl export.
 
-What breaking deduplication does to it (run by hand on a copy of the tree): with the publisher's
-`Nats-Msg-Id` made unique per publish, the after-PubAck windows of the dispatcher, the judge and
-the exporter fail `assert_exactly_once` — the CASES stream holds the re-published events twice
-(`('…-c04', 'case.judged'): 2`, `('…-c04', 'case.exported'): 2`; all ten `case.requested` after the
-fan-out kill) — while every mid-message window still passes, since there the killed replica had
-published nothing. The gateway's redelivery is absorbed by the recorder instead (a sequence already
-stored is skipped): with that check removed, its after-commit window fails with the redelivered
-events refused (`rejections`: `('…-c04', 'case.executed', 'sealed')` and four more). Before the
-wait for every consumer to be idle (`Pipeline.quiescent`), the judge and exporter windows passed
-even with deduplication broken: the batch finalized before the redelivery came.
+What breaking deduplication does to it (run by hand on the tree of this change, 2026-12-02): with
+`Publisher.stored` made to find nothing (no lookup), 4 of the 14 tests fail — all three
+past-the-window variants (the dispatcher's fan-out re-publishes all ten `case.requested`; the
+judge's `('…-c04', 'case.judged'): 1` extra, the exporter's `('…-c04', 'case.exported'): 1` extra
+on the CASES stream) and the exporter's in-window variant, whose stream duplicate the
+`Nats-Msg-Id` window absorbs but whose sink got c04 twice (`assert 2 == 1`). Every mid-message
+window still passes, since there the killed replica had published nothing. Earlier, with the
+publisher's `Nats-Msg-Id` made unique per publish and before the lookup existed, the in-window
+variants failed the same way. The gateway's redelivery is absorbed by the recorder instead (a
+sequence already stored is skipped): with that check removed, its after-commit window fails with
+the redelivered events refused (`rejections`: `('…-c04', 'case.executed', 'sealed')` and four
+more). Before the wait for every consumer to be idle (`Pipeline.quiescent`), the judge and exporter
+windows passed even with deduplication broken: the batch finalized before the redelivery came.
 
 The services run with `ACK_WAIT_S=10` (healthy replicas send `in_progress` every third of it),
 so a message a killed replica held is redelivered after 10 s; the four targets run concurrently,
@@ -62,6 +70,7 @@ import msgspec
 import pytest
 from aiohttp import web
 
+from evalbus.testing.bus import window_passed
 from evalbus.testing.judges import waiting_marker
 from evalbus.testing.pipeline import (
     Pipeline,
@@ -92,6 +101,7 @@ from evalbus_contracts import (
     batch_run_id,
 )
 from evalbus_contracts.streams import (
+    CASES,
     DISPATCHER_BATCHES,
     DISPATCHER_CASES,
     EXPORTER_CASES,
@@ -101,6 +111,7 @@ from evalbus_contracts.streams import (
 )
 from evalbus_gateway.store import BatchVerifyResult
 from evalbus_gateway.store.recorder import RECORDER_LOCK
+from evalbus_runtime.bus import ensure_stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -253,6 +264,8 @@ class FaultWindow:
 
     fault: str
     """The `FAULT_KILL` value the target ran with."""
+    past_window: bool
+    """Whether the redelivery came after CASES' duplicate window had forgotten the output's id."""
     exit_code: int
     """How the target ended (-9: SIGKILL)."""
     outputs_at_kill: int
@@ -263,6 +276,8 @@ class FaultWindow:
     """From the target's death until every consumer is idle again: the message it held was
     redelivered (after `ack_wait`) and done again, the batch finalized and all of it recorded."""
     facts: BatchFacts
+    otlp_exports: int
+    """How many times the OTLP sink received the faulted case (`FAULT_CASE`)."""
 
 
 @dataclass
@@ -457,26 +472,52 @@ FAULTS: dict[str, tuple[FaultPlan, ...]] = {
 }
 """Per target, its after-PubAck kills (one batch each); a fan-out counts as the dispatcher's output of
 every case."""
+PAST_WINDOW_TARGETS = ("dispatcher", "judge", "exporter")
+"""Targets whose after-PubAck kills also run with the redelivery after the duplicate window: the ones
+that publish an output. (The gateway's recorder publishes nothing; it skips a sequence it stored.)"""
 
 
-async def fault_window(p: Pipeline, target: str, plan: FaultPlan, spec: BatchSpec) -> FaultWindow:
+def fault_windows(target: str) -> list[tuple[FaultPlan, bool]]:
+    """The target's after-PubAck batches: each plan inside the duplicate window, then past it."""
+    passes = (False, True) if target in PAST_WINDOW_TARGETS else (False,)
+    return [(plan, past) for past in passes for plan in FAULTS[target]]
+
+
+SHORT_WINDOW_S = 1.0
+"""CASES' duplicate window while a past-the-window redelivery waits for the target to come back."""
+
+
+async def fault_window(
+    p: Pipeline, target: str, plan: FaultPlan, spec: BatchSpec, otlp: OtlpReceiver, *, past_window: bool
+) -> FaultWindow:
     """Restart `target` with `plan`'s fault point armed, submit `spec`, wait for the target to kill
-    itself, start it again unarmed, and collect the batch."""
+    itself, start it again unarmed, and collect the batch. `past_window`: before the start, shorten
+    CASES' duplicate window and wait until it has forgotten the output's `Nats-Msg-Id`, so only the
+    redelivery's lookup of its output on the stream (`Stage.settled_by`, `publish_missing`) stands
+    between it and a duplicate; the window is set back once the target is up."""
     await p.restart(target, FAULT_KILL=plan.spec)
     batch_id = await p.submit(spec)
     exit_code = await p.wait_exit(target, timeout_s=90)
     died = time.monotonic()
     outputs = await plan.output(p, batch_id)
     pending = await ack_pending(p, plan.consumer)
+    js = p.nc.jetstream()
+    if past_window:
+        await ensure_stream(js, msgspec.structs.replace(CASES, duplicate_window_s=SHORT_WINDOW_S))
+        await window_passed(p.nc)  # the output's id, older than the probe's, is forgotten too
     await p.start(target)
+    if past_window:
+        await ensure_stream(js, CASES)
     facts = await batch_facts(p, batch_id)
     return FaultWindow(
         fault=plan.spec,
+        past_window=past_window,
         exit_code=exit_code,
         outputs_at_kill=outputs,
         ack_pending_at_kill=pending,
         recovered_s=time.monotonic() - died,
         facts=facts,
+        otlp_exports=otlp.exports[batch_run_id(batch_id, FAULT_CASE)],
     )
 
 
@@ -508,9 +549,9 @@ async def run_scenario(target: str, pg_admin_url: str, root: Path, otlp: OtlpRec
             run.evidence["executed_attempts"] = {
                 ev.case_id: ev.attempt for _, ev in stream if isinstance(ev, CaseExecuted)
             }
-            for i, plan in enumerate(FAULTS[target]):
-                gates_after = open_gates(root / f"gates-after-ack-{i}")
-                run.after_ack.append(await fault_window(p, target, plan, crash_suite(gates_after, otlp.url)))
+            for i, (plan, past_window) in enumerate(fault_windows(target)):
+                spec_after = crash_suite(open_gates(root / f"gates-after-ack-{i}"), otlp.url)
+                run.after_ack.append(await fault_window(p, target, plan, spec_after, otlp, past_window=past_window))
         except BaseException as e:
             e.add_note(f"scenario {target}:\n{p.diagnostics()}")
             raise
@@ -552,6 +593,9 @@ def lost_and_duplicated(facts: BatchFacts) -> tuple[int, int]:
     return lost, duplicated
 
 
+WINDOW_NOTE = {False: "", True: ", redelivered past the duplicate window"}
+
+
 def reliability_rows(outcomes: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per window of every scenario (or its error)."""
     rows: list[dict[str, Any]] = []
@@ -561,7 +605,14 @@ def reliability_rows(outcomes: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         windows: list[tuple[str, BatchFacts | None, float | None]] = [
             ("mid-message (output not published)", run.crashed, run.evidence.get("recovered_s")),
-            *((f"after PubAck, before ack ({w.fault.split(':')[1]})", w.facts, w.recovered_s) for w in run.after_ack),
+            *(
+                (
+                    f"after PubAck, before ack ({w.fault.split(':')[1]}){WINDOW_NOTE[w.past_window]}",
+                    w.facts,
+                    w.recovered_s,
+                )
+                for w in run.after_ack
+            ),
         ]
         for window, facts, stall in windows:
             if facts is None:
@@ -675,14 +726,35 @@ def test_batch_survives_sigkill_of_service_after_its_output_was_acknowledged(
     once per stage, in the stream and in the store, with the undisturbed scorecard."""
     run = outcome(crash_runs, target)
     assert run.undisturbed is not None
-    assert [w.fault for w in run.after_ack] == [plan.spec for plan in FAULTS[target]]
-    for window in run.after_ack:
-        assert window.exit_code == -9, window.fault
-        expected_outputs = len(CASE_IDS) if window.fault.startswith("before_ack:dispatcher-batches") else 1
-        assert window.outputs_at_kill == expected_outputs, window.fault
-        assert window.ack_pending_at_kill > 0, window.fault
-        assert_exactly_once(window.facts)
-        assert_same_scorecard(window.facts, run.undisturbed)
+    windows = [w for w in run.after_ack if not w.past_window]
+    assert [w.fault for w in windows] == [plan.spec for plan in FAULTS[target]]
+    for window in windows:
+        assert_fault_window(window, run.undisturbed)
+
+
+@pytest.mark.parametrize("target", PAST_WINDOW_TARGETS)
+def test_a_redelivery_after_the_duplicate_window_still_publishes_each_output_once(
+    crash_runs: dict[str, Any], target: str
+) -> None:
+    """The same kills, with the redelivery held back until CASES' duplicate window had forgotten the
+    output's `Nats-Msg-Id`: only the lookup of the output on the stream keeps it once (and the
+    exporter's redelivery, finding its `case.exported`, sends nothing to the OTLP sink)."""
+    run = outcome(crash_runs, target)
+    assert run.undisturbed is not None
+    windows = [w for w in run.after_ack if w.past_window]
+    assert [w.fault for w in windows] == [plan.spec for plan in FAULTS[target]]
+    for window in windows:
+        assert_fault_window(window, run.undisturbed)
+
+
+def assert_fault_window(window: FaultWindow, undisturbed: BatchFacts) -> None:
+    assert window.exit_code == -9, window.fault
+    expected_outputs = len(CASE_IDS) if window.fault.startswith("before_ack:dispatcher-batches") else 1
+    assert window.outputs_at_kill == expected_outputs, window.fault
+    assert window.ack_pending_at_kill > 0, window.fault
+    assert_exactly_once(window.facts)
+    assert_same_scorecard(window.facts, undisturbed)
+    assert window.otlp_exports == 1, window.fault  # a settled redelivery sends nothing to the sink
 
 
 def test_exporter_crash_resends_only_the_held_case(crash_runs: dict[str, Any]) -> None:
