@@ -16,12 +16,16 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import nats
+import nats.errors
 import pytest
+from nats.aio.client import Client as NatsClient
 from tests.test_cli_up import Stack, explain, stack  # noqa: F401 - the fixture
 
 from evalbus.infra import nats_accounts
 from evalbus.infra.nats import nats_server_binary
 from evalbus.infra.stack import new_nats_password
+from evalbus_dispatcher.runner_auth import RunTokens
+from evalbus_runtime.nkeys import AccountKey
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -66,6 +70,21 @@ def anonymous_answer(url: str) -> str:
         return reader.readline().decode()
 
 
+async def token_login(url: str, token: str) -> bool:
+    """Whether a runner with `token` gets in and its run's live log publish goes through."""
+    host = urlsplit(url)
+    nc = NatsClient()
+    try:
+        await nc.connect(f"nats://{host.hostname}:{host.port}", token=token, allow_reconnect=False, connect_timeout=5)
+        await nc.publish("run.evb-local.live.log", b"{}")
+        await nc.flush()
+    except (nats.errors.Error, OSError):
+        return False
+    finally:
+        await nc.close()
+    return True
+
+
 def test_the_local_stack_runs_on_least_privilege_users(stack: Stack) -> None:  # noqa: F811
     done = stack.up("--secure")
     assert done.returncode == 0, explain(done)
@@ -92,6 +111,15 @@ def test_the_local_stack_runs_on_least_privilege_users(stack: Stack) -> None:  #
     assert 'permissions violation for subscription to "batch.requested.>"' in exporter.lower()
     assert "authorization violation" in anonymous_answer(url).lower()
 
+    # the stack's dispatcher answers the runners' logins: a run token minted with the stack's key
+    # connects (and may publish its run's live log), one minted with another key does not
+    seed_file = users_file.parent / "runner-issuer.seed"
+    assert stat.S_IMODE(seed_file.stat().st_mode) == 0o600
+    key = AccountKey.from_seed(seed_file.read_text())
+    assert key.seed not in json.dumps(endpoints)
+    assert asyncio.run(token_login(url, RunTokens(key.token_key()).mint("evb-local", 60)))
+    assert not asyncio.run(token_login(url, RunTokens(AccountKey.generate().token_key()).mint("evb-local", 60)))
+
     plain = stack.up()
     assert plain.returncode != 0
     assert "runs with --secure" in plain.stderr
@@ -108,6 +136,7 @@ def test_generated_passwords_always_reach_nats_server_intact(tmp_path: Path) -> 
 
     def check(password: str) -> int:
         env = {**os.environ, **{nats_accounts.password_variable(u): password for u in nats_accounts.users()}}
+        env[nats_accounts.ISSUER_VARIABLE] = AccountKey.generate().public
         return subprocess.run(
             [nats_server_binary(), "-c", str(conf), "-t"], check=False, env=env, capture_output=True
         ).returncode

@@ -18,6 +18,7 @@ import pytest
 
 from evalbus.infra.nats import nats_server_binary
 from evalbus_contracts import streams, subjects
+from evalbus_runtime.nkeys import AccountKey
 
 pytestmark = pytest.mark.unit
 
@@ -39,12 +40,14 @@ accounts: Any = _load_accounts()
 
 
 def server_env(store: Path, **overrides: str) -> dict[str, str]:
-    """The environment the configs expect: a server name, a store, every user's password."""
+    """The environment the configs expect: a server name, a store, every user's password, the
+    runners' credential check's public key."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NATS_")}
     env |= {"SERVER_NAME": "evalbus-nats-0", "NATS_STORE_DIR": str(store), "NATS_MAX_FILE_STORE": "1G"}
     env["NATS_PID_FILE"] = str(store / "nats.pid")
     for user in accounts.users():
         env[accounts.password_variable(user)] = os.urandom(12).hex()
+    env[accounts.ISSUER_VARIABLE] = AccountKey.generate().public
     env |= overrides
     return env
 

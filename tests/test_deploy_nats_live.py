@@ -26,6 +26,7 @@ import pytest
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
+from evalbus.infra import nats_accounts
 from evalbus.infra.nats import nats_server_binary
 from evalbus.infra.ports import free_port, wait_port
 from evalbus_collector.service import CollectorSettings, build_collector
@@ -59,12 +60,13 @@ from evalbus_gateway.live.terminal import TerminalTickets
 from evalbus_gateway.service import GatewaySettings, build_gateway
 from evalbus_judge.service import JudgeSettings, build_judge
 from evalbus_runtime import Publisher, Service, connect, ensure_topology
+from evalbus_runtime.nkeys import AccountKey
 from evalbus_runtime.objects import object_info, put_object
 
 pytestmark = [pytest.mark.integration]
 
 NATS = Path(__file__).resolve().parents[1] / "deploy" / "nats"
-USERS = ("gateway", "dispatcher", "collector", "judge", "exporter", "ingest", "runner", "admin", "sys")
+USERS = ("gateway", "dispatcher", "collector", "judge", "exporter", "ingest", "runner-auth", "admin", "sys")
 
 
 @dataclass(frozen=True)
@@ -73,11 +75,17 @@ class SecureNats:
 
     port: int
     passwords: dict[str, str]
+    issuer: AccountKey
+    """The auth callout's issuer (its public key in the server's `$NATS_RUNNER_ISSUER`)."""
     scheme: str = "nats"
 
     def url(self, user: str, scheme: str | None = None) -> str:
         """The NATS URL of `user`, credentials included (as the deployments' Secrets hold it)."""
         return f"{scheme or self.scheme}://{user}:{self.passwords[user]}@127.0.0.1:{self.port}"
+
+    def anonymous_url(self, scheme: str | None = None) -> str:
+        """The server's URL without credentials (as a runner's job spec names it)."""
+        return f"{scheme or self.scheme}://127.0.0.1:{self.port}"
 
 
 @contextlib.contextmanager
@@ -90,8 +98,10 @@ def start_secure_nats(folder: Path, tls: Path | None = None) -> Iterator[SecureN
     conf = folder / "nats.conf"
     conf.write_text("".join(f"include ./{n}\n" for n in includes if n != "accounts.conf"), encoding="utf-8")
     passwords = {user: uuid.uuid4().hex for user in USERS}
+    issuer = AccountKey.generate()
     env = {k: v for k, v in os.environ.items() if not k.startswith("NATS_")}
-    env |= {f"NATS_PASSWORD_{u.upper()}": p for u, p in passwords.items()}
+    env |= {nats_accounts.password_variable(u): p for u, p in passwords.items()}
+    env[nats_accounts.ISSUER_VARIABLE] = issuer.public
     env |= {"SERVER_NAME": "secure", "NATS_STORE_DIR": str(folder / "js"), "NATS_MAX_FILE_STORE": "1G"}
     env["NATS_PID_FILE"] = str(folder / "nats.pid")
     if tls is not None:
@@ -103,7 +113,7 @@ def start_secure_nats(folder: Path, tls: Path | None = None) -> Iterator[SecureN
     proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         wait_port(port)
-        yield SecureNats(port=port, passwords=passwords, scheme="tls" if tls else "nats")
+        yield SecureNats(port=port, passwords=passwords, issuer=issuer, scheme="tls" if tls else "nats")
     finally:
         proc.terminate()
         try:

@@ -18,6 +18,7 @@ import hcl2
 import pytest
 import yaml
 
+from evalbus.infra import nats_accounts
 from evalbus.infra.nats import nats_server_binary
 from evalbus_collector.service import CollectorSettings
 from evalbus_contracts import streams
@@ -26,6 +27,7 @@ from evalbus_exporter.service import ExporterSettings
 from evalbus_gateway.settings import GatewaySettings
 from evalbus_judge.service import JudgeSettings
 from evalbus_runtime import ServiceSettings, load_settings
+from evalbus_runtime.nkeys import AccountKey
 
 pytestmark = pytest.mark.unit
 
@@ -213,6 +215,7 @@ def test_the_nats_job_assembles_a_config_nats_server_accepts(tmp_path: Path) -> 
     accounts = (local / "accounts.conf").read_text(encoding="utf-8")
     for variable in set(re.findall(r"\$(NATS_PASSWORD_[A-Z_]+)", accounts)):
         env[variable] = os.urandom(8).hex()
+    env[nats_accounts.ISSUER_VARIABLE] = AccountKey.generate().public
     result = subprocess.run(
         [nats_server_binary(), "-t", "-c", str(local / "nats.conf")],
         env=env,

@@ -40,6 +40,7 @@ from evalbus_gateway.api.errors import ApiError
 from evalbus_gateway.api.validation import DatasetChecker
 from evalbus_gateway.live.placement import Requested, lanes_waiting, project
 from evalbus_runtime import SettingsError, load_settings
+from evalbus_runtime.nkeys import AccountKey
 
 pytestmark = pytest.mark.unit
 
@@ -274,6 +275,7 @@ def test_the_conf_printed_for_a_deployment_parses_with_the_lane_users_password(t
     env["NATS_PID_FILE"] = str(tmp_path / "nats.pid")
     users = [*nats_accounts.users(), nats_accounts.lane_user("gpu")]
     env |= {nats_accounts.password_variable(u): "p" + os.urandom(8).hex() for u in users}
+    env[nats_accounts.ISSUER_VARIABLE] = AccountKey.generate().public
 
     def check(environ: dict[str, str]) -> subprocess.CompletedProcess[str]:
         argv = [nats_server_binary(), "-t", "-c", str(tmp_path / "nats.conf")]

@@ -1,10 +1,10 @@
 """The in-job runner publishing its live log and trace straight to NATS (`RunnerJob.live`), against
-real nats-servers: the deployment's accounts (the `runner` user may publish `run.*.live.log` and
-`run.*.live.trace` and nothing else), the runner itself, and the cluster backends on their
-protocol-level fakes (which run the real runner as a local process) with the dispatcher's own
-`LiveBus` — the live lines arrive once, published by the runner, the result unchanged; an
-unreachable server leaves the live view to the job log as before; the password is in no job spec
-and no event.
+real nats-servers: the runner itself, and the cluster backends on their protocol-level fakes (which
+run the real runner as a local process) with the dispatcher's own `LiveBus`, on the deployment's
+accounts — each runner logs in with its run's token (tests/test_runner_auth.py: what that user may
+do); the live lines arrive once, published by the runner, the result unchanged; an unreachable
+server or a refused token leaves the live view to the job log as before; the token is in the job
+spec only, never in a live message, an event or a line the runner prints.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import json
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ import pytest
 from kubernetes import client as k8s
 from nats.aio.msg import Msg
 from tests.test_deploy_nats_live import SecureNats, connect_as, running, start_secure_nats
+from tests.test_runner_auth import answering
 
 from evalbus.infra import nats_accounts
 from evalbus.infra.nats import NatsServer
@@ -54,24 +56,24 @@ from evalbus_contracts import (
     decode_event,
     encode,
 )
-from evalbus_contracts.runner import JOB_ENV, RUNNER_USER, RunnerJob, RunnerLive, Started, read_line
+from evalbus_contracts.runner import JOB_ENV, RunnerJob, RunnerLive, Started, read_line
 from evalbus_contracts.subjects import live_filter
 from evalbus_dispatcher import execute_case
 from evalbus_dispatcher import live as dispatcher_live
 from evalbus_dispatcher.backends.base import Backend
 from evalbus_dispatcher.backends.docker import DockerTemplate, connect_docker
-from evalbus_dispatcher.backends.job_spec import RUNNER_PASSWORD_VAR, LiveHandoffs, RunnerNats
+from evalbus_dispatcher.backends.job_spec import LiveHandoffs, RunnerNats
 from evalbus_dispatcher.backends.kubernetes import JobTemplate, KubernetesBackend
 from evalbus_dispatcher.backends.nomad import NomadTemplate, connect_nomad
 from evalbus_dispatcher.harness_output import parse_line
+from evalbus_dispatcher.runner_auth import RunTokens
 from evalbus_dispatcher.service import (
     DispatcherSettings,
     LiveBus,
     build_dispatcher,
-    kubernetes_backend,
-    nomad_backend,
 )
 from evalbus_runtime import Publisher, Service, ensure_topology
+from evalbus_runtime.nkeys import AccountKey
 from evalbus_runtime.secrets import SecretStore
 
 pytestmark = [pytest.mark.integration]
@@ -82,12 +84,13 @@ print("line one")
 print("on stderr", file=sys.stderr, flush=True)
 print('EVALBUS_EVENT {"kind": "message", "role": "assistant", "text": "thinking", "t": 0.25}')
 print("the key is", os.environ.get("API_KEY"))
-print("runner password seen:", os.environ.get("EVALBUS_RUNNER_NATS_PASSWORD"))
+print("job spec seen:", os.environ.get("EVALBUS_JOB"))
 print('EVALBUS_RESULT {"answer": "42"}')
 print("line two")
 """
-STDOUT_LINES = ["line one", f"the key is {REDACTED}", "runner password seen: None", "line two"]
-"""The harness's live stdout log: control lines left out, the secret masked, no password seen."""
+STDOUT_LINES = ["line one", f"the key is {REDACTED}", "job spec seen: None", "line two"]
+"""The harness's live stdout log: control lines left out, the secret masked, no job spec (nor its
+run token) in its environment."""
 API_KEY = "api-key-value-5e1c"
 
 
@@ -100,55 +103,6 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Any:
 async def _topology(server: SecureNats) -> None:
     async with connect_as(server, "admin") as (nc, _):
         await ensure_topology(nc.jetstream())
-
-
-# ---------------------------------------------------------------- the runner user
-
-
-async def test_the_runner_user_publishes_live_events_and_nothing_else(secure: SecureNats) -> None:
-    await _topology(secure)
-    run = f"evb-perm-{uuid.uuid4().hex[:8]}"
-    async with connect_as(secure, RUNNER_USER) as (nc, violations):
-        chunk = LiveLog(run_id=run, case_id="c1", seq=1, stream="stdout", text="hi\n")
-        trace = LiveTrace(run_id=run, case_id="c1", seq=1, events=(Message(role="assistant", text="t"),))
-        await nc.publish(chunk.subject(), encode(chunk))
-        await nc.publish(trace.subject(), encode(trace))
-        await nc.flush()
-        async with connect_as(secure, "admin") as (admin, _):
-            js = admin.jetstream()
-
-            async def stored(subject: str) -> bool:
-                with contextlib.suppress(nats.js.errors.NotFoundError):
-                    return bool((await js.get_last_msg("LIVE", subject)).data)
-                return False
-
-            await eventually(lambda: stored(f"run.{run}.live.log"), timeout_s=10, what="the live log chunk stored")
-            await eventually(lambda: stored(f"run.{run}.live.trace"), timeout_s=10, what="the live trace stored")
-        assert violations.seen == []
-
-        await nc.publish("case.executed.b1.c1", b"{}")
-        await asyncio.wait_for(violations.event.wait(), 5)
-        assert any("publish" in v and '"case.executed.b1.c1"' in v for v in violations.seen)
-        for subject in ("run.x.live.infra", "run.x.live.placement", "batch.requested.b1"):
-            violations.event.clear()
-            await nc.publish(subject, b"{}")
-            await asyncio.wait_for(violations.event.wait(), 5)
-            assert any(f'"{subject}"' in v for v in violations.seen)
-
-        violations.event.clear()
-        await nc.subscribe(f"run.{run}.live.>")
-        await asyncio.wait_for(violations.event.wait(), 5)
-        assert any("subscription" in v for v in violations.seen)
-        # nor any stream through JetStream: its API is refused (and no reply could reach it)
-        violations.event.clear()
-        with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
-            await nc.jetstream(timeout=2).stream_info("LIVE")
-        assert any("$js.api.stream.info.live" in v or "_inbox" in v for v in violations.seen)
-
-
-def test_the_runner_user_is_named_alike_in_the_contract_and_the_accounts() -> None:
-    assert nats_accounts.RUNNER_USER == RUNNER_USER
-    assert RUNNER_USER in nats_accounts.users()
 
 
 # ---------------------------------------------------------------- the runner itself
@@ -266,27 +220,31 @@ async def test_an_unreachable_server_leaves_the_live_view_to_the_job_log(
     assert "line one" in lines
 
 
-async def test_a_refused_password_leaves_the_live_view_to_the_job_log_and_is_masked(
+async def test_a_refused_token_leaves_the_live_view_to_the_job_log_and_is_masked(
     secure: SecureNats, tmp_path: Path
 ) -> None:
     await _topology(secure)
-    url = f"nats://127.0.0.1:{secure.port}"
-    wrong = "wrong-" + uuid.uuid4().hex
-    job = runner_job(url, password_var=RUNNER_PASSWORD_VAR)
-    job = msgspec.structs.replace(
-        job, env={"ECHOED": wrong}, files={"harness.py": "import os; print(os.environ['ECHOED'])"}
-    )
-    lines = await run_runner(job, tmp_path / "work", {"PATH": "/usr/bin:/bin", RUNNER_PASSWORD_VAR: wrong})
-    assert started_of(lines).live == "log"
-    assert REDACTED in lines
-    assert not any(wrong in line for line in lines)
+    async with answering(secure):
+        run = f"evb-runner-{uuid.uuid4().hex[:8]}"
+        wrong = RunTokens(AccountKey.generate().token_key()).mint(run, 60)
+        job = msgspec.structs.replace(
+            runner_job(secure.anonymous_url(), token=wrong),
+            run_id=run, env={"ECHOED": wrong}, files={"harness.py": "import os; print(os.environ['ECHOED'])"},
+        )  # fmt: skip
+        lines = await run_runner(job, tmp_path / "work", {"PATH": "/usr/bin:/bin"})
+        assert started_of(lines).live == "log"
+        assert REDACTED in lines
+        assert not any(wrong in line for line in lines)
 
-    right = msgspec.structs.replace(job, files={"harness.py": HARNESS}, env={})
-    environ = {"PATH": "/usr/bin:/bin", RUNNER_PASSWORD_VAR: secure.passwords[RUNNER_USER]}
-    async with hearing(secure.url("admin"), job.run_id) as heard:
-        lines = await run_runner(right, tmp_path / "right", environ)
-        await eventually(lambda: _true(heard.log_lines("stdout")[-1:] == ["line two"]), timeout_s=10, what="live log")
-    assert started_of(lines).live == "nats"
+        token = RunTokens(secure.issuer.token_key()).mint(run, 60)
+        right = msgspec.structs.replace(job, live=RunnerLive(nats_url=secure.anonymous_url(), token=token),
+                                        files={"harness.py": HARNESS}, env={})  # fmt: skip
+        async with hearing(secure.url("admin"), job.run_id) as heard:
+            lines = await run_runner(right, tmp_path / "right", {"PATH": "/usr/bin:/bin", "API_KEY": API_KEY})
+            await eventually(lambda: _true(heard.log_lines("stdout") == STDOUT_LINES), timeout_s=10, what="live log")
+        assert started_of(lines).live == "nats"
+        assert not any(token in line for line in lines)
+        assert all(token.encode() not in raw for raw in heard.raw)
 
 
 async def _true(value: bool) -> bool:
@@ -316,9 +274,6 @@ def test_the_runner_reads_lines_and_chunks_them_as_the_dispatchers_live_tee() ->
 # ---------------------------------------------------------------- the backends on their fakes
 
 
-SECRET_NAME = "runner-nats"
-
-
 @dataclass
 class Cluster:
     """A backend on a fake orchestrator, its runners told where NATS is."""
@@ -330,14 +285,13 @@ class Cluster:
 
 
 @contextlib.asynccontextmanager
-async def cluster_on(name: str, url: str, password: str, handoffs: LiveHandoffs) -> AsyncIterator[Cluster]:
-    runner = RunnerNats(url=url, secret=SECRET_NAME)
+async def cluster_on(name: str, url: str, issuer: AccountKey, handoffs: LiveHandoffs) -> AsyncIterator[Cluster]:
+    runner = RunnerNats(url=url, tokens=RunTokens(issuer.token_key()))
     argv = (sys.executable, "-m", "evalbus.runner")
     if name == "kubernetes":
         async with FakeKubernetes() as fake:
             fake.add_node("node-a", cpu=2, memory="2Gi")
             fake.add_secret("api-key", {"value": API_KEY})
-            fake.add_secret(SECRET_NAME, {"value": password})
             config = k8s.Configuration()
             config.host = fake.url
             template = JobTemplate(namespace="evalbus", image=DEFAULT_IMAGE, runner_command=argv,
@@ -351,7 +305,6 @@ async def cluster_on(name: str, url: str, password: str, handoffs: LiveHandoffs)
         async with FakeNomad() as agent:
             agent.add_node("node-a", cpu_mhz=2000, memory_mb=2048)
             agent.set_variable("evalbus/secrets/api-key", value=API_KEY)
-            agent.set_variable(f"evalbus/secrets/{SECRET_NAME}", value=password)
             nomad_template = NomadTemplate(image="evalbus/case:test", runner_command=argv, start_timeout_s=60.0,
                                            runner_nats=runner)  # fmt: skip
             nomad = connect_nomad(nomad_template, address=agent.url, slots=2, poll_s=0.05, live=handoffs)
@@ -361,7 +314,7 @@ async def cluster_on(name: str, url: str, password: str, handoffs: LiveHandoffs)
                 await nomad.close()
     else:
         async with FakeDocker(ncpu=2, mem_total=2 * 1024**3) as engine:
-            store = SecretStore({"EVALBUS_SECRET_API_KEY": API_KEY, "EVALBUS_SECRET_RUNNER_NATS": password})
+            store = SecretStore({"EVALBUS_SECRET_API_KEY": API_KEY})
             docker_template = DockerTemplate(image=DEFAULT_IMAGE, runner_command=argv, start_timeout_s=60.0,
                                              stats_interval_s=0.2, runner_nats=runner)  # fmt: skip
             docker = connect_docker(docker_template, store, host=engine.host, slots=2, live=handoffs)
@@ -416,13 +369,13 @@ async def test_the_runner_publishes_the_live_view_once_and_the_result_is_unchang
     secure: SecureNats, name: str
 ) -> None:
     await _topology(secure)
-    password = secure.passwords[RUNNER_USER]
-    url = f"nats://127.0.0.1:{secure.port}"  # no password in it: the runner's comes from the orchestrator
+    url = secure.anonymous_url()  # no credentials in it: the runner logs in with its run's token
     handoffs = LiveHandoffs()
-    async with cluster_on(name, url, password, handoffs) as cluster:
+    async with answering(secure) as auth, cluster_on(name, url, secure.issuer, handoffs) as cluster:
         executed, bus, heard = await execute_with_live(secure, name, url, handoffs, cluster)
         assert cluster.violations() == []
         bodies = list(cluster.bodies())
+    assert (auth.granted, auth.refused) == (1, 0)
     assert executed.status == "succeeded", executed.result.failure
     assert executed.result.answer == "42"
     assert bus.by_runner  # the runner said `live: nats`: the dispatcher relayed nothing itself
@@ -432,18 +385,19 @@ async def test_the_runner_publishes_the_live_view_once_and_the_result_is_unchang
     assert {c.execution for c in heard.logs() + heard.traces()} == {bus.execution}
     marks = [e.mark.event for _, e in heard.messages if isinstance(e, InfraMark)]
     assert {"accepted", "placed", "exited", "released"} <= set(marks)  # the dispatcher's own, as before
-    # the job spec names the password's variable; the value is in no job spec, no event
+    # the job spec carries the run's token (worth that run's live view, until the job's longest life
+    # is over), and nothing else does: no other part of the job, no live message, no event
     (spec,) = [job_spec_of(name, body) for body in bodies]
     assert spec.live is not None
-    assert (spec.live.password_var, spec.live.execution) == (RUNNER_PASSWORD_VAR, bus.execution)
-    if name == "docker":  # the engine has no secret store: the value rides in the create request only
-        (env,) = [body["Env"] for body in bodies]
-        assert [item for item in env if password in item] == [f"{RUNNER_PASSWORD_VAR}={password}"]
-    else:
-        assert password not in json.dumps(bodies)
-        assert SECRET_NAME in json.dumps(bodies)  # resolved by the orchestrator
-    assert all(password.encode() not in raw for raw in heard.raw)
-    assert password.encode() not in encode(executed)
+    assert spec.live.token is not None
+    assert spec.live.execution == bus.execution
+    run_id, exp = RunTokens(secure.issuer.token_key()).check(spec.live.token)
+    assert run_id == spec.run_id
+    life = exp - time.time()  # the job's longest: its start timeout, the harness, the hold, a margin
+    assert 60.0 + spec.timeout_s + spec.hold_s <= life <= 60.0 + spec.timeout_s + spec.hold_s + 120.0 + 1
+    assert json.dumps(bodies).count(spec.live.token) == 1
+    assert all(spec.live.token.encode() not in raw for raw in heard.raw)
+    assert spec.live.token.encode() not in encode(executed)
     sealed = [e for e in executed.result.trace if isinstance(e, Message)]
     assert [e.text for e in sealed] == ["thinking"]
 
@@ -467,7 +421,7 @@ async def test_an_unreachable_nats_url_falls_back_to_the_dispatcher_relaying_the
     await _topology(secure)
     url = f"nats://127.0.0.1:{free_port()}"
     handoffs = LiveHandoffs()
-    async with cluster_on(name, url, secure.passwords[RUNNER_USER], handoffs) as cluster:
+    async with answering(secure), cluster_on(name, url, secure.issuer, handoffs) as cluster:
         executed, bus, heard = await execute_with_live(secure, name, url, handoffs, cluster)
         assert cluster.violations() == []
     assert executed.status == "succeeded", executed.result.failure
@@ -478,26 +432,40 @@ async def test_an_unreachable_nats_url_falls_back_to_the_dispatcher_relaying_the
 
 
 def test_the_dispatcher_settings_for_the_runners_nats() -> None:
-    settings = DispatcherSettings(runner_nats_url="nats://nats.evalbus:4222", runner_nats_secret="runner-nats")
-    assert settings.runner_nats() == RunnerNats(url="nats://nats.evalbus:4222", secret="runner-nats")
+    assert DispatcherSettings(runner_nats_url="nats://nats.evalbus:4222").runner_nats() == RunnerNats(
+        url="nats://nats.evalbus:4222"
+    )
+    seed = AccountKey.generate().seed
+    with_auth = DispatcherSettings(
+        runner_nats_url="nats://nats.evalbus:4222", runner_auth_url="nats://runner-auth:pw@nats:4222",
+        runner_auth_seed=seed,
+    )  # fmt: skip
+    nats = with_auth.runner_nats()
+    assert nats is not None
+    assert nats.tokens == RunTokens(AccountKey.from_seed(seed).token_key())
+    assert seed not in repr(with_auth)
+    assert "pw@" not in repr(with_auth)
     assert DispatcherSettings().runner_nats() is None  # off by default
+    with pytest.raises(ValueError, match="DISPATCHER_RUNNER_AUTH_SEED: needed"):
+        DispatcherSettings(runner_auth_url="nats://runner-auth:pw@nats:4222")
+    with pytest.raises(ValueError, match="DISPATCHER_RUNNER_AUTH_URL: needed"):
+        DispatcherSettings(runner_auth_seed=seed)
+    with pytest.raises(ValueError, match="DISPATCHER_RUNNER_AUTH_SEED: not an account seed"):
+        DispatcherSettings(runner_auth_url="nats://x:y@nats:4222", runner_auth_seed=AccountKey.generate().public)
+    with pytest.raises(ValueError, match="DISPATCHER_RUNNER_NATS_SECRET: the runners' shared NATS password is gone"):
+        DispatcherSettings(runner_nats_url="nats://nats:4222", runner_nats_secret="runner-nats")
     with pytest.raises(ValueError, match="DISPATCHER_RUNNER_NATS_URL: no password"):
         DispatcherSettings(runner_nats_url="nats://runner:hunter2@nats:4222")
     with pytest.raises(ValueError, match="DISPATCHER_RUNNER_NATS_URL"):
         DispatcherSettings(runner_nats_url="http://nats:4222")
-    bad = DispatcherSettings(runner_nats_url="nats://nats:4222", runner_nats_secret="Not A Secret Name!")
-    with pytest.raises(ValueError, match="DISPATCHER_RUNNER_NATS_SECRET: secret 'Not A Secret Name!'"):
-        kubernetes_backend(bad)
-    with pytest.raises(ValueError, match="DISPATCHER_RUNNER_NATS_SECRET: secret 'Not A Secret Name!'"):
-        nomad_backend(bad)
 
 
-async def test_the_dispatcher_service_hands_the_live_view_to_the_runner(
-    nats_server: NatsServer, tmp_path: Path
-) -> None:
-    """The wiring: `DISPATCHER_RUNNER_NATS_URL` on a Kubernetes dispatcher (the fake cluster, the
-    session's nats-server, no password) — a case published on the bus runs, its live log arrives
+async def test_the_dispatcher_service_hands_the_live_view_to_the_runner(secure: SecureNats, tmp_path: Path) -> None:
+    """The wiring, as deployed: a Kubernetes dispatcher (the fake cluster) with its own user,
+    `DISPATCHER_RUNNER_NATS_URL` without credentials and `DISPATCHER_RUNNER_AUTH_URL` / `_SEED` —
+    it answers its runners' logins itself; a case published on the bus runs, its live log arrives
     once, from the runner, and `case.executed` follows."""
+    await _topology(secure)
     async with FakeKubernetes() as fake:
         fake.add_node("node-a", cpu=2, memory="2Gi")
         fake.add_secret("api-key", {"value": API_KEY})
@@ -508,16 +476,17 @@ async def test_the_dispatcher_service_hands_the_live_view_to_the_runner(
             "users: [{name: me, user: {}}]\ncontexts: [{name: fake, context: {cluster: fake, user: me}}]\n"
         )
         settings = DispatcherSettings(
-            service="dispatcher", nats_url=nats_server.url, http_port=0, backend="kubernetes",
+            service="dispatcher", nats_url=secure.url("dispatcher"), http_port=0, backend="kubernetes",
             kubeconfig=str(kubeconfig), image=DEFAULT_IMAGE, cluster_poll_s=0.05, slots=1, slots_from_room=False,
-            workdir_root=str(tmp_path / "work"), runner_nats_url=nats_server.url,
+            workdir_root=str(tmp_path / "work"), runner_nats_url=secure.anonymous_url(),
+            runner_auth_url=secure.url(nats_accounts.RUNNER_AUTH_USER), runner_auth_seed=secure.issuer.seed,
         )  # fmt: skip
         service = Service(settings)
         build_dispatcher(service, settings)
         req = case_request("service")
         run_id = req.run_id or ""
-        async with running(service), hearing(nats_server.url, run_id) as heard:
-            nc = await nats.connect(nats_server.url)
+        async with running(service), hearing(secure.url("admin"), run_id) as heard:
+            nc = await nats.connect(secure.url("admin"))
             executed: asyncio.Queue[Event] = asyncio.Queue()
 
             async def on_executed(msg: Msg) -> None:
@@ -537,5 +506,7 @@ async def test_the_dispatcher_service_hands_the_live_view_to_the_runner(
         assert done.result.answer == "42"
         (spec,) = [job_spec_of("kubernetes", job) for job in fake.created_jobs]
         assert spec.live is not None
+        assert spec.live.token is not None
         assert spec.live.execution == heard.logs()[0].execution
+        assert {c.execution for c in heard.logs()} == {spec.live.execution}  # the runner's, once
         assert fake.violations == []

@@ -123,11 +123,15 @@ job "evalbus-dispatcher" {
         DISPATCHER_SHUTDOWN_TIMEOUT_S = "120"
       }
 
-      # NATS_URL holds this service's NATS user and password (deploy/nats/accounts.conf).
+      # NATS_URL holds this service's NATS user and password (deploy/nats/accounts.conf); the
+      # optional runner_auth_url and runner_auth_seed let it answer its case jobs' runners' logins
+      # (run tokens, docs/backends.md, "The live view straight to NATS").
       template {
         data = <<-EOT
         {{ with nomadVar "nomad/jobs/evalbus-dispatcher" }}
         NATS_URL={{ .nats_url }}
+        {{ with .runner_auth_url }}DISPATCHER_RUNNER_AUTH_URL={{ . }}{{ end }}
+        {{ with .runner_auth_seed }}DISPATCHER_RUNNER_AUTH_SEED={{ . }}{{ end }}
         {{ end }}
         EOT
         destination = "secrets/evalbus.env"

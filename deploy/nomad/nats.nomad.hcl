@@ -5,6 +5,7 @@
 # The server configuration is deploy/nats/ itself, read by `file()` when the job is submitted: run
 # from the repository root.
 #   nomad var put nomad/jobs/evalbus-nats NATS_PASSWORD_GATEWAY=... (every user of accounts.conf)
+#     NATS_RUNNER_ISSUER=A... (the public key of `evalbus runner-key`, docs/deploy.md)
 #   nomad job run deploy/nomad/nats.nomad.hcl
 # Each client node needs a host volume named evalbus-nats (client { host_volume "evalbus-nats" {...} }).
 
@@ -152,7 +153,8 @@ job "evalbus-nats" {
         change_signal = "SIGHUP"
       }
 
-      # The users' passwords (NATS_PASSWORD_<USER>), as environment variables.
+      # The users' passwords (NATS_PASSWORD_<USER>) and the runners' credential check's public key
+      # (NATS_RUNNER_ISSUER), as environment variables.
       template {
         data = <<-EOT
         {{ with nomadVar "nomad/jobs/evalbus-nats" }}{{ range $k, $v := . }}

@@ -16,6 +16,7 @@ the command; `bring_down` stops them by their recorded pids.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import shlex
@@ -54,6 +55,7 @@ from evalbus.infra.postgres import (
     with_database,
 )
 from evalbus.infra.processes import ProcessId, identify, is_alive, spawn_detached, stop
+from evalbus_runtime.nkeys import AccountKey
 
 MIGRATIONS_MODULE = "evalbus_gateway.store.migrate"
 """Module whose `migrate(connection)` brings the event store schema up to date."""
@@ -148,6 +150,10 @@ class _Layout:
     @property
     def token(self) -> Path:
         return self.root / "token"
+
+    @property
+    def runner_issuer(self) -> Path:
+        return self.nats_dir / "runner-issuer.seed"
 
     def log(self, name: str) -> Path:
         return self.logs / f"{name}.log"
@@ -273,6 +279,21 @@ def ensure_nats_users(path: Path) -> dict[str, str]:
     return wanted
 
 
+def ensure_runner_issuer(path: Path) -> AccountKey:
+    """The runners' credential check's account key (its seed kept in `path`, mode 0600, made once):
+    the public key goes to nats-server (`$NATS_RUNNER_ISSUER`), the seed to the dispatchers."""
+    if path.exists():
+        with contextlib.suppress(ValueError):
+            return AccountKey.from_seed(path.read_text(encoding="utf-8"))
+    key = AccountKey.generate()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(key.seed + "\n")
+    os.chmod(path, 0o600)
+    return key
+
+
 def new_nats_password() -> str:
     """A random password nats-server reads back intact from `$NATS_PASSWORD_<USER>`: it parses a
     variable's value as configuration, so a value that looks like a number (`12e4…`, `-3…`) or has
@@ -314,6 +335,7 @@ def _up_nats(layout: _Layout, previous: Endpoints, opts: UpOptions, result: UpRe
         include = layout.nats_dir / "accounts.conf"
         render_accounts(include, passwords)  # with the lane users `evalbus lane credential` added
         server_env = {nats_accounts.password_variable(user): pw for user, pw in passwords.items()}
+        server_env[nats_accounts.ISSUER_VARIABLE] = ensure_runner_issuer(layout.runner_issuer).public
     try:
         server = start_nats(
             layout.nats_dir, port, detach=True, monitor_port=monitor, log_file=log, include=include, env=server_env
@@ -455,6 +477,9 @@ def _up_services(layout: _Layout, previous: Endpoints, current: Endpoints, resul
             token=token,
             otlp_port=otlp_port,
         )
+        if name == "dispatcher" and current.nats_users:  # it answers the runners' logins (run tokens)
+            env["DISPATCHER_RUNNER_AUTH_URL"] = nats_url_as(current, nats_accounts.RUNNER_AUTH_USER)
+            env["DISPATCHER_RUNNER_AUTH_SEED"] = ensure_runner_issuer(layout.runner_issuer).seed
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("a") as f:
             f.write(f"{RUN_MARKER} {time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {shlex.join(argv)}\n")

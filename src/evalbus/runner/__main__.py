@@ -56,13 +56,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _exec(command: str, workdir: Path) -> int:
     """A live exec: the secrets to mask are the job's (`EVALBUS_JOB` in this environment), and the
-    runner's own NATS password."""
+    runner's own NATS token."""
     secret_vars: tuple[str, ...] = ()
+    masked: tuple[str, ...] = ()
     with contextlib.suppress(msgspec.DecodeError):
         named = msgspec.json.decode(os.environ.get(JOB_ENV, "") or "{}", type=_Secrets)
         secret_vars = named.secret_vars
-        if named.live is not None and named.live.password_var:
-            secret_vars += (named.live.password_var,)
+        if named.live is not None and named.live.token:
+            masked = (named.live.token,)
     return asyncio.run(
         exec_masked(
             command,
@@ -71,12 +72,13 @@ def _exec(command: str, workdir: Path) -> int:
             secret_vars=secret_vars,
             write_out=_write_line,
             write_err=_write_err,
+            masked=masked,
         )
     )
 
 
 class _LiveVar(msgspec.Struct, frozen=True):
-    password_var: str | None = None
+    token: str | None = None
 
 
 class _Secrets(msgspec.Struct, frozen=True):

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import re
 from collections import deque
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
@@ -192,7 +191,7 @@ async def _quiet(*_: Any) -> None:
     """The client's callbacks: nothing is printed (the runner's output is the job log)."""
 
 
-async def connect_live(job: RunnerJob, environ: Mapping[str, str]) -> LivePublisher | None:
+async def connect_live(job: RunnerJob) -> LivePublisher | None:
     """A publisher on the job's NATS server (`job.live`), connected within its timeout; None when the
     job asks for none, `nats-py` is not in the image, or the server cannot be reached or refuses."""
     live = job.live
@@ -202,10 +201,7 @@ async def connect_live(job: RunnerJob, environ: Mapping[str, str]) -> LivePublis
         from nats.aio.client import Client  # the image may have only evalbus-contracts and the runner
     except ImportError:
         return None
-    options: dict[str, Any] = {}
-    password = environ.get(live.password_var) if live.password_var else None
-    if password:
-        options |= {"user": live.user, "password": password}
+    options: dict[str, Any] = {"token": live.token} if live.token else {}
     timeout = max(0.1, live.connect_timeout_s)
     nc = Client()
     try:
@@ -217,6 +213,8 @@ async def connect_live(job: RunnerJob, environ: Mapping[str, str]) -> LivePublis
             ),
             timeout,
         )  # fmt: skip
+        if not nc.is_connected:  # nats-py may return from a refusal the server is slow to send
+            raise ConnectionError("not connected")
     except Exception:  # unreachable, refused, timed out: the job log carries the live view
         with contextlib.suppress(Exception):
             await asyncio.wait_for(nc.close(), CLOSE_TIMEOUT_S)

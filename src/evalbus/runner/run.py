@@ -94,10 +94,9 @@ def harness_environment(job: RunnerJob, environ: Mapping[str, str], input_file: 
     return env
 
 
-def masked_values(job: RunnerJob, environ: Mapping[str, str]) -> list[str]:
-    """Values the runner masks besides the harness's secrets: its own NATS password (`job.live`)."""
-    var = job.live.password_var if job.live is not None else None
-    return [environ[var]] if var and environ.get(var) else []
+def masked_values(job: RunnerJob) -> list[str]:
+    """Values the runner masks besides the harness's secrets: its own NATS token (`job.live`)."""
+    return [job.live.token] if job.live is not None and job.live.token else []
 
 
 def _redactor(values: list[str]) -> Callable[[str], str]:
@@ -305,7 +304,7 @@ async def run_job(job: RunnerJob, *, workdir: Path, environ: Mapping[str, str], 
     """Run `job` in `workdir`, every record and harness stdout line to `write` (one line, no
     newline, each call); 0 once everything is reported (the harness's own exit is in a record)."""
     secrets = {var: environ[var] for var in job.secret_vars if var in environ}
-    redact = _redactor([*secrets.values(), *masked_values(job, environ)])
+    redact = _redactor([*secrets.values(), *masked_values(job)])
 
     def emit(record: Record) -> None:
         write(record_line(record))
@@ -327,7 +326,7 @@ async def run_job(job: RunnerJob, *, workdir: Path, environ: Mapping[str, str], 
             return 0
 
         declared: list[str] = []
-        live = await connect_live(job, environ)
+        live = await connect_live(job)
 
         async def harness_line(stream: Stream, line: str) -> None:
             text = redact(line)
@@ -467,12 +466,12 @@ async def _check(
 
 async def exec_masked(
     command: str, *, workdir: Path, environ: Mapping[str, str], secret_vars: tuple[str, ...], write_out: Write,
-    write_err: Write,
+    write_err: Write, masked: tuple[str, ...] = (),
 ) -> int:  # fmt: skip
     """Run `command` with `sh -c` in `workdir` with the job's whole environment (secrets included) —
-    a person's exec into the live sandbox — its lines masked as the runner masks the harness's;
-    its exit code."""
-    redact = _redactor([environ[var] for var in secret_vars if var in environ])
+    a person's exec into the live sandbox — its lines masked as the runner masks the harness's
+    (and `masked`, the runner's run token); its exit code."""
+    redact = _redactor([*(environ[var] for var in secret_vars if var in environ), *masked])
 
     async def line(stream: Stream, text: str) -> None:
         (write_out if stream == "stdout" else write_err)(redact(text))

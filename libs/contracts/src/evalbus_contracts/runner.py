@@ -51,11 +51,6 @@ class RunnerCheck(msgspec.Struct, frozen=True, kw_only=True):
     """Killed past this (the record says `timed_out`)."""
 
 
-RUNNER_USER = "runner"
-"""The NATS user a runner publishes the live log and trace as (`deploy/nats/accounts.conf`: it may
-publish `run.*.live.log` and `run.*.live.trace`, nothing else)."""
-
-
 class RunnerLive(msgspec.Struct, frozen=True, kw_only=True):
     """Where the runner publishes the run's live log and live trace itself (core NATS, best effort)
     and how it continues the live view the dispatcher started: the same `LiveLog` / `LiveTrace`
@@ -63,11 +58,11 @@ class RunnerLive(msgspec.Struct, frozen=True, kw_only=True):
 
     nats_url: str
     """The NATS server as reachable from inside the job."""
-    user: str = RUNNER_USER
-    """The NATS user, when `password_var` gives a password (a user in the URL wins)."""
-    password_var: str | None = None
-    """The variable of the runner's environment the orchestrator put the user's password in, from its
-    own secret store (never its value); None: connect as the URL says."""
+    token: str | None = None
+    """The run token the runner connects with (None: as the URL says): nats-server asks the
+    dispatchers about it (auth callout), and the user it gets may publish this run's live log and
+    trace only, until the job's longest life is over. Worth nothing else, so it may ride in the
+    job spec; masked in every line the runner prints."""
     connect_timeout_s: float = 2.0
     """Longest the runner waits for the connection before it leaves the live view to the job log."""
     execution: str | None = None

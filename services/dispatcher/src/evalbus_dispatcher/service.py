@@ -50,17 +50,17 @@ from evalbus_contracts.events import EventBase, EventKey, stage_output_key
 from evalbus_contracts.streams import CASES, DISPATCHER_BATCHES, LIVE
 from evalbus_dispatcher.artifacts import RunObjects
 from evalbus_dispatcher.backends.base import Mark, SandboxHandle, is_observed
-from evalbus_dispatcher.backends.job_spec import RUNNER_PASSWORD_VAR, LiveHandoffs, RunnerNats
+from evalbus_dispatcher.backends.job_spec import LiveHandoffs, RunnerNats
 from evalbus_dispatcher.backends.local import LocalBackend, sweep_orphans
 from evalbus_dispatcher.cancellation import cancelled_execution
 from evalbus_dispatcher.capacity import ROOM_INTERVAL_S, ClusterRoom
 from evalbus_dispatcher.control import LiveControls
-from evalbus_dispatcher.errors import BackendError
 from evalbus_dispatcher.execute import Queued, execute_case, run_id_of
 from evalbus_dispatcher.fanout import fan_out_batch
 from evalbus_dispatcher.placement import SAMPLE_INTERVAL_S
 from evalbus_dispatcher.presence import STATUS_INTERVAL_S, Presence, default_replica_id
 from evalbus_dispatcher.retry import next_attempt, should_retry
+from evalbus_dispatcher.runner_auth import RunnerAuth, RunTokens
 from evalbus_dispatcher.screen import capture
 from evalbus_runtime import (
     Delivery,
@@ -72,7 +72,9 @@ from evalbus_runtime import (
     ServiceSettings,
     SlotPool,
     Stage,
+    connect,
 )
+from evalbus_runtime.nkeys import AccountKey
 from evalbus_traces import build_source, collect_trace
 from evalbus_traces.errors import TraceUnavailableError
 
@@ -95,7 +97,11 @@ pool follows the cluster's room below that)."""
 class DispatcherSettings(ServiceSettings):
     """Settings of the dispatcher (`DISPATCHER_<KEY>`, then `<KEY>`)."""
 
-    SECRET_FIELDS: ClassVar[frozenset[str]] = ServiceSettings.SECRET_FIELDS | {"nomad_token"}
+    SECRET_FIELDS: ClassVar[frozenset[str]] = ServiceSettings.SECRET_FIELDS | {
+        "nomad_token",
+        "runner_auth_url",
+        "runner_auth_seed",
+    }
 
     slots: int | None = None
     """Compute slots: sandboxes at once on this replica, whichever lanes they come from (unset: the
@@ -174,9 +180,18 @@ class DispatcherSettings(ServiceSettings):
     the live log and trace there themselves (empty: off, the dispatcher relays them from the job log).
     No password in it: the URL is in every job spec."""
     runner_nats_secret: str = ""
-    """The name of the secret holding the `runner` NATS user's password, resolved by the orchestrator
-    as a harness's `secret_env` names are (a Kubernetes Secret `name` or `name/key`, a Nomad Variable
-    under `nomad_variables_prefix`, the dispatcher's secret store on Docker); empty: none."""
+    """Gone (refused when set): the runners' shared NATS password, which let a harness that read its
+    runner's environment publish the live view of any run. They log in with run tokens now
+    (`runner_auth_url`, `runner_auth_seed`; docs/deploy.md, "Upgrading")."""
+    runner_auth_url: str = ""
+    """The NATS URL, credentials included, of the `runner-auth` user (the `AUTH` account of
+    deploy/nats/accounts.conf): this replica answers the server's authorization requests there
+    (`evalbus_dispatcher.runner_auth`); redacted in logs."""
+    runner_auth_seed: str = ""
+    """The seed (`SA…`) of the account nkey whose public key the server's `$NATS_RUNNER_ISSUER`
+    holds (`evalbus runner-key`): with it each job's runner gets a token for its own run only —
+    publish that run's live log and trace until the job's longest life is over, nothing else;
+    redacted in logs."""
 
     def __post_init__(self) -> None:
         if self.artifact_hold_s < 0:
@@ -189,9 +204,22 @@ class DispatcherSettings(ServiceSettings):
                 raise ValueError(f"DISPATCHER_RUNNER_NATS_URL: a nats:// or tls:// URL, not {self.runner_nats_url!r}")
             if parts.password:
                 raise ValueError(
-                    "DISPATCHER_RUNNER_NATS_URL: no password in the URL (it is in every job spec); name the secret "
-                    "holding it in DISPATCHER_RUNNER_NATS_SECRET"
+                    "DISPATCHER_RUNNER_NATS_URL: no password in the URL (it is in every job spec); the runners log "
+                    "in with run tokens (DISPATCHER_RUNNER_AUTH_URL, DISPATCHER_RUNNER_AUTH_SEED)"
                 )
+        if self.runner_nats_secret:
+            raise ValueError(
+                "DISPATCHER_RUNNER_NATS_SECRET: the runners' shared NATS password is gone; they log in with run "
+                "tokens (DISPATCHER_RUNNER_AUTH_URL and DISPATCHER_RUNNER_AUTH_SEED, docs/deploy.md, 'Upgrading')"
+            )
+        if bool(self.runner_auth_url) != bool(self.runner_auth_seed):
+            missing = "DISPATCHER_RUNNER_AUTH_SEED" if self.runner_auth_url else "DISPATCHER_RUNNER_AUTH_URL"
+            raise ValueError(f"{missing}: needed with the other (run tokens are minted and checked by the same key)")
+        if self.runner_auth_seed:
+            try:
+                AccountKey.from_seed(self.runner_auth_seed)
+            except ValueError as e:
+                raise ValueError(f"DISPATCHER_RUNNER_AUTH_SEED: {e}") from None
         for lane in self.served_lanes():
             problem = lane_problem(lane)
             if problem is not None:
@@ -201,7 +229,8 @@ class DispatcherSettings(ServiceSettings):
         """Where the runners publish the live view themselves (None: off)."""
         if not self.runner_nats_url:
             return None
-        return RunnerNats(url=self.runner_nats_url, secret=self.runner_nats_secret or None)
+        tokens = RunTokens(AccountKey.from_seed(self.runner_auth_seed).token_key()) if self.runner_auth_seed else None
+        return RunnerNats(url=self.runner_nats_url, tokens=tokens)
 
     def slot_count(self) -> int:
         """`slots`, or its default for the backend."""
@@ -461,14 +490,9 @@ class Cancellations:
 def kubernetes_backend(settings: DispatcherSettings, live: LiveHandoffs | None = None) -> KubernetesBackend:
     """The Kubernetes backend the settings describe (reads the kubeconfig); `live`: the executions
     whose runners may publish the live view themselves (`DISPATCHER_RUNNER_NATS_URL`)."""
-    from evalbus_dispatcher.backends.kubernetes import JobTemplate, connect_cluster, secret_ref
+    from evalbus_dispatcher.backends.kubernetes import JobTemplate, connect_cluster
 
     runner = settings.runner_nats()
-    if runner is not None and runner.secret:
-        try:
-            secret_ref(runner.secret, RUNNER_PASSWORD_VAR)
-        except BackendError as e:
-            raise ValueError(f"DISPATCHER_RUNNER_NATS_SECRET: {e.message}") from e
     template = JobTemplate(namespace=settings.namespace, image=settings.image, start_timeout_s=settings.start_timeout_s,
                            runner_nats=runner, artifact_hold_s=settings.artifact_hold_s)  # fmt: skip
     return connect_cluster(
@@ -483,14 +507,9 @@ def kubernetes_backend(settings: DispatcherSettings, live: LiveHandoffs | None =
 
 def nomad_backend(settings: DispatcherSettings, live: LiveHandoffs | None = None) -> NomadBackend:
     """The Nomad backend the settings describe; `live` as for `kubernetes_backend`."""
-    from evalbus_dispatcher.backends.nomad import NomadTemplate, connect_nomad, variable_template
+    from evalbus_dispatcher.backends.nomad import NomadTemplate, connect_nomad
 
     runner = settings.runner_nats()
-    if runner is not None and runner.secret:
-        try:
-            variable_template(RUNNER_PASSWORD_VAR, runner.secret, settings.nomad_variables_prefix)
-        except BackendError as e:
-            raise ValueError(f"DISPATCHER_RUNNER_NATS_SECRET: {e.message}") from e
     template = NomadTemplate(
         image=settings.image,
         namespace=settings.nomad_namespace,
@@ -572,6 +591,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
     )
     controls = LiveControls(ping_s=settings.terminal_ping_s)
     screens = ScreenSessions()
+    runner_auth: list[RunnerAuth] = []
 
     async def start(svc: Service) -> None:
         swept = await asyncio.to_thread(sweep_orphans, backend.root)
@@ -584,8 +604,16 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         await presence.start(svc.js)
         controls.bind(svc.nc)
         await screens.start()
+        if settings.runner_auth_url:
+            # its own connection: the `runner-auth` user is alone in the AUTH account
+            nc = await connect(settings.runner_auth_url, f"{settings.service}-runner-auth")
+            auth = RunnerAuth(nc, AccountKey.from_seed(settings.runner_auth_seed))
+            await auth.start()
+            runner_auth.append(auth)
 
     async def stop(_: Service) -> None:
+        for auth in runner_auth:
+            await auth.close()
         await controls.close()
         await screens.close()
         if room is not None:

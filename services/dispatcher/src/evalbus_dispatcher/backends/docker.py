@@ -76,7 +76,6 @@ from evalbus_dispatcher.backends.docker_container import (
     read_event,
     read_stats,
     resolve_secrets,
-    runner_password,
 )
 from evalbus_dispatcher.backends.docker_engine import (
     API_VERSION,
@@ -95,7 +94,14 @@ from evalbus_dispatcher.backends.docker_engine import (
     tls_context,
 )
 from evalbus_dispatcher.backends.job_log import JobLog, LineSplitter, UnitEnd
-from evalbus_dispatcher.backends.job_spec import LiveHandoff, LiveHandoffs, run_of, runner_job, runner_live
+from evalbus_dispatcher.backends.job_spec import (
+    LiveHandoff,
+    LiveHandoffs,
+    longest_life_s,
+    run_of,
+    runner_job,
+    runner_live,
+)
 from evalbus_dispatcher.errors import BackendError
 from evalbus_grading import ExecResult
 from evalbus_runtime.secrets import SecretStore
@@ -178,12 +184,8 @@ class DockerBackend:
             raise BackendError(problem, code="unschedulable", failure_class="config", retryable=False)
         await self._sweep(run_id)
         handoff = self._live.get(run_id) if self._live is not None else None
-        live = runner_live(self._template.runner_nats, handoff)
-        password = runner_password(self._template, live, self._secrets)
-        if live is not None and live.password_var and not password:
-            log.warning("DISPATCHER_RUNNER_NATS_SECRET names no secret of the dispatcher's store: the runner "
-                        "cannot log in to NATS and the job log carries the live view")  # fmt: skip
-        secret_env |= password
+        life = longest_life_s(job, start_timeout_s=self._template.start_timeout_s)
+        live = runner_live(self._template.runner_nats, handoff, job, life_s=life)
         body = container_body(job, run_id, self._template, secret_env, live)
         name = container_name(run_id, job.attempt)
         node = str(info.get("Name") or "docker")

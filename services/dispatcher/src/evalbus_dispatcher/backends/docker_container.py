@@ -88,24 +88,13 @@ def resolve_secrets(job: CaseRequested, store: SecretStore) -> dict[str, str]:
     return values
 
 
-def runner_password(template: DockerTemplate, live: RunnerLive | None, store: SecretStore) -> dict[str, str]:
-    """The runner's own secret variable (its NATS password from the store), when it publishes the live
-    view itself; none when the store lacks it (the runner is refused then, and the job log carries
-    the live view: a live view never fails a case)."""
-    nats = template.runner_nats
-    if live is None or not live.password_var or nats is None or not nats.secret:
-        return {}
-    secret = store.get(nats.secret)
-    return {live.password_var: secret.reveal()} if secret is not None else {}
-
-
 def container_body(
     job: CaseRequested, run_id: str, template: DockerTemplate, secret_env: Mapping[str, str],
     live: RunnerLive | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The `POST /containers/create` body (`ContainerCreateRequest`) for one execution of a case attempt
-    (`secret_env`: the harness's secrets and the runner's own password, by variable). It holds the
-    secret values: it is sent, never logged."""
+    (`secret_env`: the harness's secrets, by variable). It holds the secret values: it is sent,
+    never logged."""
     compute = job.harness.resources()
     spec = runner_job(job, run_id, live=live)
     labels = {MANAGED_LABEL: "evalbus", RUN_LABEL: run_id, "dev.evalbus.attempt": str(job.attempt)}

@@ -15,6 +15,7 @@ from evalbus_contracts import CaseRequested, batch_run_id
 from evalbus_contracts.runner import RunnerCheck, RunnerJob, RunnerLive
 from evalbus_contracts.specs import CommandGrader, ScriptScoreGrader, TestsPassGrader
 from evalbus_dispatcher.errors import BackendError
+from evalbus_dispatcher.runner_auth import RunTokens
 
 
 def label_value(text: str) -> str:
@@ -47,21 +48,17 @@ def runner_checks(job: CaseRequested) -> tuple[RunnerCheck, ...]:
     )
 
 
-RUNNER_PASSWORD_VAR = "EVALBUS_RUNNER_NATS_PASSWORD"  # noqa: S105 - a variable name, not its value
-"""The runner's environment variable the orchestrator puts the `runner` user's NATS password in
-(from the secret `DISPATCHER_RUNNER_NATS_SECRET` names); the harness never gets it."""
-
-
 @dataclass(frozen=True, slots=True)
 class RunnerNats:
-    """Where the runners publish the live log and trace themselves (`DISPATCHER_RUNNER_NATS_URL`,
-    `DISPATCHER_RUNNER_NATS_SECRET`)."""
+    """Where the runners publish the live log and trace themselves (`DISPATCHER_RUNNER_NATS_URL`)
+    and the tokens they log in with (`DISPATCHER_RUNNER_AUTH_SEED`)."""
 
     url: str
     """The NATS URL as reachable from inside the jobs."""
-    secret: str | None = None
-    """The name of the secret holding the `runner` user's password, resolved by the orchestrator as a
-    harness's `secret_env` names are (None: the runners connect as the URL says)."""
+    tokens: RunTokens | None = None
+    """Mints each job's run token (`DISPATCHER_RUNNER_AUTH_SEED`): its runner may publish that run's
+    live log and trace only, until the job's longest life is over (None: the runners connect as
+    the URL says, to a server that asks for no credentials)."""
 
 
 class LiveHandoff(Protocol):
@@ -108,13 +105,24 @@ class LiveHandoffs:
         return self._by_run.get(run_id)
 
 
-def runner_live(nats: RunnerNats | None, handoff: LiveHandoff | None) -> RunnerLive | None:
-    """What the runner is told about publishing the live view itself (None: it does not)."""
+def longest_life_s(job: CaseRequested, *, start_timeout_s: float, hold_s: float = 0.0) -> float:
+    """The longest a case's job lives: waiting to start, the harness, the checks, the artifact hold,
+    and two minutes for the rest (a Kubernetes Job's `activeDeadlineSeconds`, a run token's life)."""
+    timeout = job.case.timeout_s or job.harness.timeout_s
+    return start_timeout_s + timeout + sum(c.timeout_s for c in runner_checks(job)) + hold_s + 120.0
+
+
+def runner_live(
+    nats: RunnerNats | None, handoff: LiveHandoff | None, job: CaseRequested, *, life_s: float
+) -> RunnerLive | None:
+    """What the runner is told about publishing the live view itself (None: it does not): with run
+    tokens, a token for the job's run valid `life_s` (`longest_life_s`)."""
     if nats is None or not nats.url or handoff is None:
         return None
+    token = nats.tokens.mint(run_of(job), life_s) if nats.tokens is not None else None
     return RunnerLive(
         nats_url=nats.url,
-        password_var=RUNNER_PASSWORD_VAR if nats.secret else None,
+        token=token,
         execution=handoff.execution,
         offset=handoff.offset,
         t_offset=round(handoff.clock(), 6),

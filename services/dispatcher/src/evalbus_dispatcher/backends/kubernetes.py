@@ -8,8 +8,8 @@ backend creates it once, before the first such Job; only a CNI that enforces Net
 pod off); each `secret_env` entry becomes a `secretKeyRef` by name (`name` → Secret `name`, key
 `value`; `name/key` → that key), so no secret value is ever in the Job spec or known to the
 dispatcher. The run id is a label (label-safe form) and an annotation (exact). With `runner_nats`
-the runner publishes the live log and trace itself, its NATS password from an optional
-`secretKeyRef` to the Secret `runner_nats.secret` (docs/backends.md, "The live view straight to NATS").
+the runner publishes the live log and trace itself, logged in with its run's token (in the job
+spec: it is worth that run's live view only; docs/backends.md, "The live view straight to NATS").
 
 While the pod comes up the sandbox polls it and its Events and marks the run's trace: `submitted`,
 `waiting` with the scheduler's `FailedScheduling` message (the run reads *blocked*), `scheduled`
@@ -81,6 +81,7 @@ from evalbus_dispatcher.backends.job_spec import (
     LiveHandoffs,
     RunnerNats,
     label_value,
+    longest_life_s,
     run_of,
     runner_checks,
     runner_job,
@@ -200,8 +201,7 @@ def job_manifest(
     job: CaseRequested, run_id: str, name: str, template: JobTemplate, live: RunnerLive | None = None
 ) -> dict[str, Any]:
     """The `batch/v1` Job for one execution of a case attempt (`live`: its runner publishes the live
-    view itself; the password comes from the Secret `runner_nats.secret`, optional: without it the
-    runner is refused and leaves the live view to the job log)."""
+    view itself)."""
     harness = job.harness
     spec = runner_job(job, run_id, hold_s=template.artifact_hold_s, live=live)
     env: list[dict[str, Any]] = [{"name": JOB_ENV, "value": msgspec.json.encode(spec).decode("utf-8")}]
@@ -209,9 +209,6 @@ def job_manifest(
         {"name": var, "valueFrom": {"secretKeyRef": secret_ref(secret, var)}}
         for var, secret in harness.secret_env.items()
     ]
-    if live is not None and live.password_var and template.runner_nats is not None and template.runner_nats.secret:
-        ref = {**secret_ref(template.runner_nats.secret, live.password_var), "optional": True}
-        env.append({"name": live.password_var, "valueFrom": {"secretKeyRef": ref}})
     labels = {**MANAGED_BY, RUN_LABEL: label_value(run_id), "evalbus.dev/attempt": str(job.attempt)}
     if harness.resources().network == "none":
         labels[NETWORK_LABEL] = "none"
@@ -522,7 +519,10 @@ class KubernetesBackend:
         run_id = run_of(job)
         name = job_name(run_id, job.attempt)
         handoff = self._live.get(run_id) if self._live is not None else None
-        live = runner_live(self._template.runner_nats, handoff)
+        life = longest_life_s(
+            job, start_timeout_s=self._template.start_timeout_s, hold_s=self._template.artifact_hold_s
+        )
+        live = runner_live(self._template.runner_nats, handoff, job, life_s=life)
         manifest = job_manifest(job, run_id, name, self._template, live)  # refuses bad secret names first
         if self._check_fit:
             await self._refuse_unfit(job.harness.resources())

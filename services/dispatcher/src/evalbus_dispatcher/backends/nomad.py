@@ -66,6 +66,7 @@ from evalbus_dispatcher.backends.job_spec import (
     LiveHandoffs,
     RunnerNats,
     label_value,
+    longest_life_s,
     run_of,
     runner_job,
     runner_live,
@@ -131,15 +132,12 @@ def nomad_job(
     job: CaseRequested, run_id: str, job_id: str, template: NomadTemplate, live: RunnerLive | None = None
 ) -> dict[str, Any]:
     """The JSON job (`{"Job": …}` as `POST /v1/jobs` takes it) for one execution of a case attempt
-    (`live`: its runner publishes the live view itself, the password read from the Nomad Variable
-    `<variables_prefix>/<runner_nats.secret>` as a harness secret is)."""
+    (`live`: its runner publishes the live view itself)."""
     harness, compute = job.harness, job.harness.resources()
     spec = runner_job(job, run_id, live=live)
     templates = [
         variable_template(var, secret, template.variables_prefix) for var, secret in harness.secret_env.items()
     ]
-    if live is not None and live.password_var and template.runner_nats is not None and template.runner_nats.secret:
-        templates.append(variable_template(live.password_var, template.runner_nats.secret, template.variables_prefix))
     argv = [*template.runner_command, "--workdir", "${NOMAD_TASK_DIR}/work"]
     if template.driver == "docker":
         config: dict[str, Any] = {"image": compute.image or template.image, "command": argv[0], "args": argv[1:]}
@@ -395,7 +393,8 @@ class NomadBackend:
         run_id = run_of(job)
         job_id = job_id_for(run_id, job.attempt)
         handoff = self._live.get(run_id) if self._live is not None else None
-        live = runner_live(self._template.runner_nats, handoff)
+        life = longest_life_s(job, start_timeout_s=self._template.start_timeout_s)
+        live = runner_live(self._template.runner_nats, handoff, job, life_s=life)
         body = nomad_job(job, run_id, job_id, self._template, live)  # refuses bad secret names first
         await self._refuse_unfit(job.harness.resources())
         try:
