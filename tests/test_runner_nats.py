@@ -27,6 +27,7 @@ import nats.errors
 import pytest
 from kubernetes import client as k8s
 from nats.aio.msg import Msg
+from prometheus_client import generate_latest
 from tests.test_deploy_nats_live import SecureNats, connect_as, running, start_secure_nats
 from tests.test_runner_auth import answering
 
@@ -509,4 +510,6 @@ async def test_the_dispatcher_service_hands_the_live_view_to_the_runner(secure: 
         assert spec.live.token is not None
         assert spec.live.execution == heard.logs()[0].execution
         assert {c.execution for c in heard.logs()} == {spec.live.execution}  # the runner's, once
+        scraped = generate_latest(service.metrics.registry).decode()
+        assert 'evalbus_runner_logins_total{outcome="granted"} 1.0' in scraped
         assert fake.violations == []

@@ -34,6 +34,7 @@ from typing import Any
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from prometheus_client import CollectorRegistry, Counter
 
 from evalbus_contracts.subjects import live_subject
 from evalbus_runtime.nkeys import AccountKey, b64url, decode_jwt, encode_jwt, public_key, unb64url
@@ -108,7 +109,9 @@ def runner_permissions(run_id: str) -> dict[str, Any]:
 class RunnerAuth:
     """Answers nats-server's authorization requests for run tokens (see the module's docstring)."""
 
-    def __init__(self, nc: NatsClient, issuer: AccountKey, *, account: str = ACCOUNT) -> None:
+    def __init__(
+        self, nc: NatsClient, issuer: AccountKey, *, account: str = ACCOUNT, registry: CollectorRegistry | None = None
+    ) -> None:
         self._nc = nc
         self._issuer = issuer
         self._tokens = RunTokens(issuer.token_key())
@@ -116,6 +119,10 @@ class RunnerAuth:
         self._sub: Subscription | None = None
         self.granted = 0
         self.refused = 0
+        self._logins = Counter(
+            "evalbus_runner_logins_total", "Runner logins answered (nats-server's auth callout)", ["outcome"],
+            registry=registry if registry is not None else CollectorRegistry(),
+        )  # fmt: skip
 
     @property
     def tokens(self) -> RunTokens:
@@ -151,10 +158,12 @@ class RunnerAuth:
             public_key(user_nkey, "U")
         except (RunTokenError, ValueError) as e:
             self.refused += 1
+            self._logins.labels("refused").inc()
             reply["error"] = str(e) if isinstance(e, RunTokenError) else "the request names no user key"
             log.info("a login refused: %s", reply["error"])  # the reason only: never what the client sent
         else:
             self.granted += 1
+            self._logins.labels("granted").inc()
             user = {"sub": user_nkey, "aud": self._account, "name": f"runner-{run_id}", "exp": exp}
             reply["jwt"] = encode_jwt(self._issuer, user, {**runner_permissions(run_id), "type": "user"}, now=now)
         return encode_jwt(self._issuer, {"sub": user_nkey, "aud": server_id}, reply, now=now)

@@ -607,7 +607,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         if settings.runner_auth_url:
             # its own connection: the `runner-auth` user is alone in the AUTH account
             nc = await connect(settings.runner_auth_url, f"{settings.service}-runner-auth")
-            auth = RunnerAuth(nc, AccountKey.from_seed(settings.runner_auth_seed))
+            auth = RunnerAuth(nc, AccountKey.from_seed(settings.runner_auth_seed), registry=svc.metrics.registry)
             await auth.start()
             runner_auth.append(auth)
 
