@@ -67,12 +67,9 @@ from evalbus_dispatcher.backends.job_spec import LiveHandoffs, RunnerNats
 from evalbus_dispatcher.backends.kubernetes import JobTemplate, KubernetesBackend
 from evalbus_dispatcher.backends.nomad import NomadTemplate, connect_nomad
 from evalbus_dispatcher.harness_output import parse_line
+from evalbus_dispatcher.live_bus import LiveBus
 from evalbus_dispatcher.runner_auth import RunTokens
-from evalbus_dispatcher.service import (
-    DispatcherSettings,
-    LiveBus,
-    build_dispatcher,
-)
+from evalbus_dispatcher.service import DispatcherSettings, build_dispatcher
 from evalbus_runtime import Publisher, Service, ensure_topology
 from evalbus_runtime.nkeys import AccountKey
 from evalbus_runtime.secrets import SecretStore

@@ -38,7 +38,7 @@ from evalbus_contracts import (
 from evalbus_contracts.events import CaseExecuted
 from evalbus_contracts.placement import PlacementSample
 from evalbus_dispatcher import LocalBackend, OutputStream, execute_case
-from evalbus_dispatcher.service import PlatformTracePuller
+from evalbus_dispatcher.trace_puller import PlatformTracePuller
 from evalbus_runtime import MissingSecretError, SecretStore
 from evalbus_traces import CollectOutcome
 

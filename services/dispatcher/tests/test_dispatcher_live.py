@@ -33,7 +33,7 @@ from evalbus_contracts.live_text import chunks, split_utf8
 from evalbus_contracts.subjects import live_filter
 from evalbus_dispatcher import LiveSink, LocalBackend, OutputStream, execute_case
 from evalbus_dispatcher.live import LiveTee
-from evalbus_dispatcher.service import LiveBus
+from evalbus_dispatcher.live_bus import LiveBus
 from evalbus_runtime import Publisher, connect, ensure_topology
 
 from .conftest import LiveRecord

@@ -1,4 +1,5 @@
-"""Trace collection in `job` mode: where the platform trace is and who pulls it."""
+"""Trace collection in `job` mode: where the platform trace is and who pulls it (pure; the puller
+over `evalbus_traces` sources is `trace_puller.PlatformTracePuller`)."""
 
 from __future__ import annotations
 

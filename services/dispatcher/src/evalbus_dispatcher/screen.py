@@ -223,3 +223,23 @@ async def capture_display(handle: SandboxHandle, display: str, *, budget_s: floa
     except (binascii.Error, ValueError) as e:
         return ScreenReply(supported=True, found=False, target=target, reason=f"unreadable dump: {e}")
     return await asyncio.to_thread(frame_of, dump, display)
+
+
+class ScreenSessions:
+    """The HTTP session screen captures talk to harnesses' browsers with (open while the service runs)."""
+
+    def __init__(self) -> None:
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the service is not started")
+        return self._session
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()

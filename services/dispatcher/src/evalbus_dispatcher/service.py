@@ -18,55 +18,36 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
-import aiohttp
-import nats.errors
-import nats.js.errors
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy
-
 from evalbus_contracts import (
     DEFAULT_LANE,
-    BatchCancelled,
     BatchRequested,
     CaseRequested,
-    DecodeError,
-    Infra,
-    InfraMark,
-    LiveLog,
-    LivePlacement,
-    LiveTrace,
-    PlacementSample,
-    TraceEvent,
-    TraceRef,
-    decode_event,
     lane_consumer,
     lane_problem,
-    new_event_id,
     subjects,
 )
 from evalbus_contracts.control import TERMINAL_PING_S
 from evalbus_contracts.events import EventBase, EventKey, stage_output_key
-from evalbus_contracts.streams import CASES, DISPATCHER_BATCHES, LIVE
+from evalbus_contracts.streams import DISPATCHER_BATCHES
 from evalbus_dispatcher.artifacts import RunObjects
 from evalbus_dispatcher.backends.base import Mark, SandboxHandle, is_observed
 from evalbus_dispatcher.backends.job_spec import LiveHandoffs, RunnerNats
 from evalbus_dispatcher.backends.local import LocalBackend, sweep_orphans
-from evalbus_dispatcher.cancellation import cancelled_execution
+from evalbus_dispatcher.cancellation import Cancellations, cancelled_execution
 from evalbus_dispatcher.capacity import ROOM_INTERVAL_S, ClusterRoom
 from evalbus_dispatcher.control import LiveControls
 from evalbus_dispatcher.execute import Queued, execute_case, run_id_of
 from evalbus_dispatcher.fanout import fan_out_batch
+from evalbus_dispatcher.live_bus import LiveBus
 from evalbus_dispatcher.placement import SAMPLE_INTERVAL_S
 from evalbus_dispatcher.presence import STATUS_INTERVAL_S, Presence, default_replica_id
 from evalbus_dispatcher.retry import next_attempt, should_retry
 from evalbus_dispatcher.runner_auth import RunnerAuth, RunTokens
-from evalbus_dispatcher.screen import capture
+from evalbus_dispatcher.screen import ScreenSessions, capture
+from evalbus_dispatcher.trace_puller import PlatformTracePuller
 from evalbus_runtime import (
     Delivery,
-    MissingSecretError,
     Poison,
-    Publisher,
     SecretStore,
     Service,
     ServiceSettings,
@@ -75,8 +56,6 @@ from evalbus_runtime import (
     connect,
 )
 from evalbus_runtime.nkeys import AccountKey
-from evalbus_traces import build_source, collect_trace
-from evalbus_traces.errors import TraceUnavailableError
 
 if TYPE_CHECKING:
     # A cluster backend's module (the Kubernetes client above all: 0.7 s of a start on two cores)
@@ -87,7 +66,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("evalbus.dispatcher")
 
-CancelReason = Literal["cancelled", "superseded"]
 
 CLUSTER_SLOTS = 64
 """The most cases a replica holds on a cluster backend unless `DISPATCHER_SLOTS` says otherwise (its
@@ -246,245 +224,6 @@ class DispatcherSettings(ServiceSettings):
     def fans_out(self) -> bool:
         """Whether it reads `dispatcher-batches`."""
         return self.fanout if self.fanout is not None else DEFAULT_LANE in self.served_lanes()
-
-
-class LiveBus:
-    """A running case's live output onto the LIVE stream (`run.<run>.live.*`), best effort: published
-    without waiting for acknowledgements (the sealed trace in `case.executed` is the record).
-
-    Each execution gets an id of its own (in every message id, so a redelivered attempt's messages
-    are not taken for duplicates of the first one's); trace events go one per message (the
-    stream's 2,000-message ring is then 2,000 events); log chunks carry their byte `offset` in the
-    run's whole live log, continued from the log already on the stream (`resume`)."""
-
-    def __init__(self, publisher: Publisher, req: CaseRequested) -> None:
-        self._pub = publisher
-        self._req = req
-        self._run_id = run_id_of(req)
-        self._execution = new_event_id()[:16]
-        self._seq = {"stdout": 0, "stderr": 0, "trace": 0, "infra": 0, "placement": 0}
-        self._t0 = time.monotonic()
-        self._by_runner = False
-        self.offset = 0
-        """Bytes of the run's live log published so far (where the next chunk starts)."""
-
-    @property
-    def execution(self) -> str:
-        """This execution's id (in every message)."""
-        return self._execution
-
-    @property
-    def by_runner(self) -> bool:
-        """Whether the job's runner publishes the live log and trace itself (this bus then does not)."""
-        return self._by_runner
-
-    def clock(self) -> float:
-        """Seconds since this execution began (about the run's clock: it began just before)."""
-        return time.monotonic() - self._t0
-
-    def runner_publishes(self) -> None:
-        """The runner said it publishes the live log and trace itself (`started` with `live: nats`):
-        relaying them too would show every line twice."""
-        self._by_runner = True
-
-    def _next(self, channel: str) -> int:
-        self._seq[channel] += 1
-        return self._seq[channel]
-
-    async def resume(self, js: JetStreamContext) -> None:
-        """Continue the run's log offsets after what an earlier attempt or execution left on the
-        stream (best effort: without it the offsets restart and only the tail search degrades)."""
-        try:
-            raw = await js.get_last_msg(LIVE.name, subjects.live_subject(self._run_id, "log"))
-            last = decode_event(raw.data or b"")
-        except nats.js.errors.NotFoundError:
-            return
-        except (nats.errors.Error, DecodeError) as e:
-            log.warning("live log of %s not continued: %s", self._run_id, e)
-            return
-        if isinstance(last, LiveLog):
-            self.offset = last.offset + len(last.text.encode("utf-8"))
-
-    async def log(self, stream: Literal["stdout", "stderr"], text: str) -> None:
-        if self._by_runner:
-            return
-        req = self._req
-        chunk = LiveLog(
-            batch_id=req.batch_id,
-            case_id=req.case_id,
-            run_id=self._run_id,
-            attempt=req.attempt,
-            execution=self._execution,
-            seq=self._next(stream),
-            stream=stream,
-            text=text,
-            offset=self.offset,
-        )
-        self.offset += len(text.encode("utf-8"))
-        await self._pub.publish_nowait(chunk)
-
-    async def trace(self, events: Sequence[TraceEvent]) -> None:
-        if self._by_runner:
-            return
-        req = self._req
-        for event in events:
-            await self._pub.publish_nowait(
-                LiveTrace(
-                    batch_id=req.batch_id,
-                    case_id=req.case_id,
-                    run_id=self._run_id,
-                    attempt=req.attempt,
-                    execution=self._execution,
-                    seq=self._next("trace"),
-                    events=(event,),
-                )
-            )
-
-    async def infra(self, mark: Infra) -> None:
-        req = self._req
-        await self._pub.publish_nowait(
-            InfraMark(
-                batch_id=req.batch_id,
-                case_id=req.case_id,
-                run_id=self._run_id,
-                attempt=req.attempt,
-                execution=self._execution,
-                seq=self._next("infra"),
-                mark=mark,
-            )
-        )
-
-    async def placement(self, sample: PlacementSample) -> None:
-        req = self._req
-        await self._pub.publish_nowait(
-            LivePlacement(
-                batch_id=req.batch_id,
-                case_id=req.case_id,
-                run_id=self._run_id,
-                attempt=req.attempt,
-                execution=self._execution,
-                seq=self._next("placement"),
-                sample=sample,
-            )
-        )
-
-
-class PlatformTracePuller:
-    """Job-mode collection: the harness's platform trace through an `evalbus_traces` source.
-
-    An empty pull is retried (flush lag) and, still empty, gives the `error` event naming the
-    correlation key; a hard error raises `TraceUnavailableError` (a retryable collect failure); a
-    secret the reference names but the store lacks raises `MissingSecretError` — nothing was sent,
-    and `execute_case` records the observation graders as `unmeasured: missing_secret`.
-    """
-
-    def __init__(self, secrets: SecretStore) -> None:
-        self._secrets = secrets
-        self._session: aiohttp.ClientSession | None = None
-
-    async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-
-    async def pull(self, ref: TraceRef) -> list[TraceEvent]:
-        assert self._session is not None
-        outcome = await collect_trace(build_source(ref, self._secrets, self._session), ref)
-        if outcome.status == "missing_secret":
-            raise MissingSecretError(outcome.missing_secret or ref.auth_secret or "")
-        if outcome.status == "unavailable":
-            raise TraceUnavailableError(outcome.error or outcome.status)
-        events = list(outcome.events)
-        if outcome.error_event is not None:
-            events.append(outcome.error_event)
-        return events
-
-
-class ScreenSessions:
-    """The HTTP session screen captures talk to harnesses' browsers with (open while the service runs)."""
-
-    def __init__(self) -> None:
-        self._session: aiohttp.ClientSession | None = None
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            raise RuntimeError("the service is not started")
-        return self._session
-
-    async def start(self) -> None:
-        self._session = aiohttp.ClientSession()
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-
-
-class Cancellations:
-    """Which batches are cancelled or superseded, from `batch.cancelled.*` (last per batch): followed
-    by an ordered consumer, or (`lookup`) read per batch when one of its cases arrives — a lane
-    dispatcher's user may not create an unfiltered consumer on CASES, which could re-filter another
-    lane's durable consumer."""
-
-    def __init__(self, mode: Literal["follow", "lookup"] = "follow") -> None:
-        self._mode = mode
-        self._reasons: dict[str, CancelReason] = {}
-        self._read = 0
-
-    async def reason(self, js: JetStreamContext, batch_id: str | None) -> CancelReason | None:
-        """Why the batch stopped starting cases, or None while it has not."""
-        if batch_id is None:
-            return None
-        known = self._reasons.get(batch_id)
-        if known is not None or self._mode == "follow":
-            return known
-        try:
-            raw = await js.get_last_msg(CASES.name, subjects.batch_subject(subjects.BATCH_CANCELLED, batch_id))
-        except nats.js.errors.NotFoundError:
-            return None
-        try:
-            event = decode_event(raw.data or b"")
-        except DecodeError:
-            log.warning("unreadable cancellation of %s ignored", batch_id)
-            return None
-        if isinstance(event, BatchCancelled):
-            self._reasons[batch_id] = event.reason  # a cancellation is final
-            return event.reason
-        return None
-
-    async def start(self, js: JetStreamContext) -> None:
-        """Follow cancellations; return once every cancellation already stored has been read (in
-        `lookup` mode: nothing to do)."""
-        if self._mode == "lookup":
-            return
-        info = await js.stream_info("CASES", subjects_filter="batch.cancelled.>")
-        known = len(info.state.subjects or {})
-
-        caught_up = asyncio.Event()
-
-        async def on_msg(msg: Msg) -> None:
-            try:
-                event = decode_event(msg.data)
-            except DecodeError:
-                log.warning("unreadable cancellation on %s ignored", msg.subject)
-            else:
-                if isinstance(event, BatchCancelled) and event.batch_id:
-                    self._reasons[event.batch_id] = event.reason
-            self._read += 1  # one per subject, readable or not
-            if self._read >= known:
-                caught_up.set()
-
-        await js.subscribe(
-            "batch.cancelled.>", cb=on_msg, ordered_consumer=True, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT
-        )
-        if known == 0:
-            return
-        try:
-            await asyncio.wait_for(caught_up.wait(), 5.0)
-        except TimeoutError:
-            log.warning("read %d of %d cancellations at start", self._read, known)
 
 
 def kubernetes_backend(settings: DispatcherSettings, live: LiveHandoffs | None = None) -> KubernetesBackend:
