@@ -28,6 +28,7 @@ from tests.test_deploy_nats_live import SecureNats, connect_as, start_secure_nat
 from evalbus.cli import main as cli_main
 from evalbus.infra import nats_accounts
 from evalbus_contracts import LiveLog, LiveTrace, Message, encode
+from evalbus_contracts.subjects import live_subject
 from evalbus_dispatcher.runner_auth import AUTH_SUBJECT, RunnerAuth, RunTokenError, RunTokens, runner_permissions
 from evalbus_runtime import ensure_topology
 from evalbus_runtime.nkeys import AccountKey, decode_jwt, encode_jwt, public_key
@@ -257,12 +258,20 @@ def test_a_run_token_names_one_run_and_checks_its_expiry() -> None:
     assert tokens.check(token, now=1010.0) == ("evb-r1", 1031)
     with pytest.raises(RunTokenError, match="expired"):
         tokens.check(token, now=1031.0)
-    with pytest.raises(RunTokenError, match="subject"):
-        tokens.check(tokens.mint("evb.*", 30, now=1000.0), now=1010.0)
+    prefix, run, exp, mac = token.split(".")
+    with pytest.raises(RunTokenError, match="wrong signature"):  # a longer life under the same mac
+        tokens.check(f"{prefix}.{run}.{int(exp) + 3600}.{mac}", now=1010.0)
     assert runner_permissions("evb-r1") == {
         "pub": {"allow": ["run.evb-r1.live.log", "run.evb-r1.live.trace"]},
         "sub": {"deny": [">"]},
     }
+    # an id that is no subject token is encoded as every live subject encodes it: never a wildcard
+    odd = "evb-b1-case.with dots*>"
+    assert tokens.check(tokens.mint(odd, 30, now=1000.0), now=1010.0)[0] == odd
+    (log_subject, trace_subject) = runner_permissions(odd)["pub"]["allow"]
+    assert log_subject == live_subject(odd, "log")
+    assert trace_subject == live_subject(odd, "trace")
+    assert not any(c in log_subject.split(".")[1] for c in ".*> ")
 
 
 def test_the_accounts_name_the_responder_and_the_issuer_variable() -> None:

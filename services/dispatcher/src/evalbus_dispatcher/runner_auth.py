@@ -49,8 +49,10 @@ ACCOUNT = "EVALBUS"
 """The account the runners' users are placed in (`evalbus.infra.nats_accounts.ACCOUNT`)."""
 TOKEN_PREFIX = "evbrun1"  # noqa: S105 - the tokens' version tag, no secret
 """The first part of every run token (its format's version)."""
-TOKEN_MARGIN_S = 60.0
-"""Added to a run's longest life when a token's expiry is chosen."""
+TOKEN_MARGIN_S = 600.0
+"""Added to a job's longest life when its token's expiry is chosen: the NATS servers enforce it on
+their clocks, which may be minutes off the minting dispatcher's (a longer life costs nothing: the
+token is worth its run's live view only)."""
 
 # ---------------------------------------------------------------- run tokens
 
@@ -87,8 +89,8 @@ class RunTokens:
             raise RunTokenError("a run token with a wrong signature")
         if exp <= (time.time() if now is None else now):
             raise RunTokenError(f"the run token of {run_id} has expired")
-        if not run_id or any(c in run_id for c in ".*> \t\r\n"):
-            raise RunTokenError("a run token for an id that is no subject token")
+        if not run_id:
+            raise RunTokenError("a run token without a run id")
         return run_id, exp
 
     def _mac(self, body: str) -> bytes:

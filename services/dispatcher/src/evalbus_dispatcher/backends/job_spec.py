@@ -15,7 +15,7 @@ from evalbus_contracts import CaseRequested, batch_run_id
 from evalbus_contracts.runner import RunnerCheck, RunnerJob, RunnerLive
 from evalbus_contracts.specs import CommandGrader, ScriptScoreGrader, TestsPassGrader
 from evalbus_dispatcher.errors import BackendError
-from evalbus_dispatcher.runner_auth import RunTokens
+from evalbus_dispatcher.runner_auth import TOKEN_MARGIN_S, RunTokens
 
 
 def label_value(text: str) -> str:
@@ -116,10 +116,10 @@ def runner_live(
     nats: RunnerNats | None, handoff: LiveHandoff | None, job: CaseRequested, *, life_s: float
 ) -> RunnerLive | None:
     """What the runner is told about publishing the live view itself (None: it does not): with run
-    tokens, a token for the job's run valid `life_s` (`longest_life_s`)."""
+    tokens, a token for the job's run valid `life_s` (`longest_life_s`) and `TOKEN_MARGIN_S` more."""
     if nats is None or not nats.url or handoff is None:
         return None
-    token = nats.tokens.mint(run_of(job), life_s) if nats.tokens is not None else None
+    token = nats.tokens.mint(run_of(job), life_s + TOKEN_MARGIN_S) if nats.tokens is not None else None
     return RunnerLive(
         nats_url=nats.url,
         token=token,
