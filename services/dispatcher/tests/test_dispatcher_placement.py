@@ -23,7 +23,7 @@ from evalbus_contracts.streams import DISPATCHERS
 from evalbus_dispatcher import LiveSink, LocalBackend, OnOutput, execute_case
 from evalbus_dispatcher.backends.base import Capacity, HarnessRun, OnSpawn, UnitUsage
 from evalbus_dispatcher.execute import Queued
-from evalbus_dispatcher.placement import Sampler
+from evalbus_dispatcher.placement import FIRST_PUBLISH_S, Sampler
 from evalbus_dispatcher.presence import Presence, status_key
 from evalbus_grading import ExecResult
 from evalbus_runtime import connect, ensure_topology
@@ -349,11 +349,42 @@ async def test_the_sampler_reads_a_quick_usage_on_the_loop_and_the_blocking_one_
     sampler = Sampler(usage, publish, dispatcher="d-1", node=None, timeout_s=None, interval_s=3600, quick=quick)
     await sampler.start(7)  # the quick read answers: no thread, no blocking read
     assert loop_thread == []
-    assert (published[-1].processes, published[-1].rss_bytes) == (1, 4096)
+    assert sampler.last is not None
+    assert (sampler.last.processes, sampler.last.rss_bytes) == (1, 4096)
     await sampler.finish(None)
 
     again = Sampler(usage, publish, dispatcher="d-1", node=None, timeout_s=None, interval_s=3600, quick=quick)
     await again.start(7)  # the quick read cannot tell: the blocking one, in a thread
     assert loop_thread == [False]
-    assert (published[-1].processes, published[-1].rss_bytes) == (2, 8192)
+    assert again.last is not None
+    assert (again.last.processes, again.last.rss_bytes) == (2, 8192)
     await again.finish(None)
+    assert published == []  # both over before their first sample was due
+
+
+async def test_a_short_run_publishes_its_exit_sample_only_and_a_longer_one_its_first_soon_after() -> None:
+    published: list[PlacementSample] = []
+
+    async def publish(sample: PlacementSample) -> None:
+        published.append(sample)
+
+    def usage() -> UnitUsage | None:
+        return UnitUsage(pid=7, processes=1, rss_bytes=64 * 2**20, cpu_seconds=0.1)
+
+    run = HarnessRun(exit_code=0, stdout="", stderr="", duration_s=0.01)
+    short = Sampler(usage, publish, dispatcher="d-1", node=None, timeout_s=None, interval_s=3600)
+    await short.start(7)
+    exited = await short.finish(run)
+    assert published == [exited]
+    assert exited is not None
+    assert exited.state == "exited"
+    assert exited.peak_rss_bytes == 64 * 2**20  # the spawn's reading counts, unpublished
+
+    published.clear()
+    longer = Sampler(usage, publish, dispatcher="d-1", node=None, timeout_s=None, interval_s=3600)
+    await longer.start(7)
+    await until(lambda: len(published) == 1, "the first sample of a run still going")
+    assert published[0].state == "running"
+    assert published[0].age_s >= FIRST_PUBLISH_S
+    await longer.finish(run)
+    assert [p.state for p in published] == ["running", "exited"]

@@ -1,7 +1,8 @@
 """Placement samples of a running harness: what its unit uses (pid, processes, resident memory, CPU
 time, age), read from the backend every few seconds while it runs and once when it exits, and
-published to the live sink (`run.<run>.live.placement`), so any gateway replica can say where a run
-is and what it uses. The exit sample carries the exit code, the signal and the OOM verdict; it is
+published to the live sink (`run.<run>.live.placement`; the first half a second after the spawn,
+so a short run publishes its exit sample only), so any gateway replica can say where a run is and
+what it uses. The exit sample carries the exit code, the signal and the OOM verdict; it is
 also the failure evidence a failed run seals (`CaseFailure.placement.resources`).
 
 The words of the `exited` mark are built here too (pure)."""
@@ -24,6 +25,11 @@ log = logging.getLogger(__name__)
 
 SAMPLE_INTERVAL_S = 2.0
 """Seconds between two samples of a running harness."""
+FIRST_PUBLISH_S = 0.5
+"""The first sample published comes this long after the spawn (or after one interval, when that is
+shorter): a run that is over by then is said whole by its exit sample, so a short case costs the
+live view one placement message, not two. The reading taken at the spawn is kept all the same (its
+memory counts toward the peak, it is the evidence of a run that never exits)."""
 
 Publish = Callable[[PlacementSample], Awaitable[None]]
 
@@ -93,17 +99,20 @@ class Sampler:
             return None
 
     async def start(self, pid: int) -> None:
-        """The harness spawned as `pid`: sample it now, then every interval until `finish`."""
+        """The harness spawned as `pid`: read its usage now, publish a sample after `FIRST_PUBLISH_S`
+        and then every interval until `finish`."""
         self._spawned = time.monotonic()
         self._pid = pid
-        await self._publish(self._sample(await self._read()))
+        self._sample(await self._read())
         self._task = asyncio.create_task(self._loop())
 
     async def _loop(self) -> None:
+        wait = min(FIRST_PUBLISH_S, self._interval_s)
         while True:
-            await asyncio.sleep(self._interval_s)
+            await asyncio.sleep(wait)
             used = await self._read()
             await self._publish(self._sample(used))
+            wait = self._interval_s
 
     async def finish(self, run: HarnessRun | None) -> PlacementSample | None:
         """Stop sampling and publish the exit sample; None when the harness never spawned, the last
