@@ -98,6 +98,45 @@ async def test_run_json_summary_matches_the_cases(stack: ServiceStack, tmp_path:
     assert all(r.executed_status == "succeeded" for r in runs)  # the agent path was resolved
 
 
+async def test_init_writes_an_evaluation_that_runs_as_is(stack: ServiceStack, tmp_path: Path) -> None:
+    folder = tmp_path / "first"
+    made = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "evalbus.cli", "init", str(folder)], env=cli_env(),
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    done = await evalbus(stack, "run", "suite.yaml", "--json", "--fail-on-run-errors", cwd=folder)
+    assert done.returncode == 0, done.stderr
+    assert "warning" not in done.stderr
+    doc = json.loads(done.stdout.splitlines()[-1])
+    assert doc["status"] == "succeeded"
+    verdicts = doc["summary"]["verdicts"]
+    assert (verdicts["passed"], verdicts["failed"]) == (4, 1)  # the capital is not arithmetic
+    assert doc["summary"]["counts"]["exported"] == 5
+
+
+async def test_a_harness_that_cannot_start_is_warned_of_and_fails_the_batch_saying_why(
+    stack: ServiceStack, tmp_path: Path
+) -> None:
+    suite = small_suite(tmp_path / "suite", command=["/no/such/agent"])
+    done = await evalbus(stack, "run", str(suite), "--fail-on-run-errors", cwd=tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr  # failed (which comes before a run error's 4)
+    assert "warning: the harness program '/no/such/agent' does not exist" in done.stderr
+    lines = done.stdout.splitlines()
+    status = next(line for line in lines if line.startswith("status    "))
+    assert status.startswith(
+        "status    failed: no_run_executed: no run executed; 3 of 3 failed before their harness ran"
+    )
+    assert "spawn_failed: cannot start '/no/such/agent'" in status
+    assert "failed cases (3 of 3)" in lines
+    shown = [line for line in lines if "spawn_failed (config, run): cannot start '/no/such/agent'" in line]
+    assert len(shown) == 3
+    async with stack.client() as gw:
+        batch_id = next(line.split()[1].rstrip(":") for line in lines if line.startswith("batch b"))
+        runs = await gw.all_cases(batch_id)
+    assert all(r.judged_status == "skipped" and r.scores == () and r.verdict is None for r in runs)  # not graded
+
+
 async def test_run_draws_progress_then_the_scorecard(stack: ServiceStack, tmp_path: Path) -> None:
     suite = small_suite(tmp_path / "suite")
     done = await evalbus(stack, "run", str(suite), cwd=tmp_path)
@@ -197,6 +236,16 @@ async def test_run_against_no_gateway_exits_1(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert "unreachable" in done.stderr
     assert done.stdout == ""
+
+    # no stack where it looks: it says how to point at one, not only to start another
+    away = [sys.executable, "-m", "evalbus.cli", "run", str(suite)]
+    env = {**cli_env(), "EVALBUS_DIR": str(tmp_path / "no-stack-here")}
+    lost = await asyncio.to_thread(
+        subprocess.run, away, env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert lost.returncode == 1
+    assert f"evalbus is not up in {tmp_path / 'no-stack-here'}: point at the folder of a running stack" in lost.stderr
+    assert "--dir DIR or $EVALBUS_DIR" in lost.stderr
 
 
 async def test_the_model_judges_cost_is_accounted_beside_the_agents(stack: ServiceStack, tmp_path: Path) -> None:

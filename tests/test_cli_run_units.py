@@ -12,6 +12,7 @@ import pytest
 
 from evalbus.cli import main
 from evalbus.cli.progress import BatchProgress, ProgressDisplay, bar, plain_line, stage_lines
+from evalbus.cli.run import run_error_codes, run_errors
 from evalbus.cli.scorecard import render_scorecard
 from evalbus.cli.suite_file import SpecFileError, load_judges, load_suite
 from evalbus.cli.tail import event_line
@@ -329,9 +330,42 @@ def test_scorecard_shows_metrics_verdicts_export_and_failed_cases() -> None:
     assert "'Canberra'" in c2
     assert "verdict fail (objective)" in c2
     c3 = next(line for line in lines if line.strip().startswith("c3"))
-    assert "timeout (agent, run)" in c3
+    assert "timeout (agent, run): killed after 30 s" in c3
     assert "…" in c3  # a long expected answer is shortened
     assert "pass@" not in text
+
+
+def test_the_failed_cases_say_why_and_end_with_the_last_lines_of_their_logs() -> None:
+    view = BatchView(
+        batch_id="b1", status="failed", counts=StageCounts(requested=2), total_runs=2, summary=BatchSummary()
+    )
+    crashed = CaseFailure(
+        stage="run", failure_class="agent", code="exit_nonzero", message="harness exited with 1",
+        log_tail="starting\n\nTraceback (most recent call last):\n  File \"agent.py\", line 3\nNameError: name 'x'\n",
+    )  # fmt: skip
+    missing = CaseFailure(
+        stage="run",
+        failure_class="config",
+        code="spawn_failed",
+        message="cannot start '/no/agent': [Errno 2] " + "x" * 90,
+    )
+    runs = [
+        run_view("c1", verdict=None, answer=None, failure=crashed),
+        run_view("c2", verdict=None, answer=None, failure=missing),
+    ]
+    lines = render_scorecard(view, runs, {}).splitlines()
+    c1 = next(line for line in lines if line.strip().startswith("c1 "))
+    assert c1.endswith("exit_nonzero (agent, run): harness exited with 1")
+    c2 = next(line for line in lines if line.strip().startswith("c2 "))
+    assert "spawn_failed (config, run): cannot start '/no/agent': [Errno 2] xxx" in c2
+    assert c2.endswith("…")  # a long message is shortened
+    at = lines.index("  c1: the last lines of its log (evalbus tail, GET /v1/runs/evb-b1-c1/logs)")
+    assert lines[at + 1 : at + 4] == [  # the last three non-empty lines, in order
+        "    | Traceback (most recent call last):",
+        '    |   File "agent.py", line 3',
+        "    | NameError: name 'x'",
+    ]
+    assert not any(line.startswith("  c2: the last lines") for line in lines)  # it left no log
 
 
 def test_scorecard_shows_pass_at_k_with_trials_and_the_error_of_a_failed_batch() -> None:
@@ -370,3 +404,21 @@ def test_tail_lines() -> None:
     assert event_line(script.requested()).endswith("1 runs by alice")
     finalized = BatchFinalized(batch_id="b1", status="succeeded", summary=BatchSummary())
     assert event_line(finalized).endswith("batch.finalized  -                    succeeded")
+
+
+def test_run_errors_are_the_failures_that_are_not_the_agents() -> None:
+    spawn = CaseFailure(stage="run", failure_class="config", code="spawn_failed", message="cannot start")
+    disk = CaseFailure(stage="run", failure_class="infra", code="disk_full", message="no space")
+    protocol = CaseFailure(stage="run", failure_class="harness", code="worker_protocol", message="garbage")
+    timeout = CaseFailure(stage="run", failure_class="agent", code="timeout", message="killed")
+    runs = [
+        run_view("c1", verdict=None, answer=None, failure=spawn),
+        run_view("c2", verdict=None, answer=None, failure=disk),
+        run_view("c3", verdict=None, answer=None, failure=spawn),
+        run_view("c4", verdict="fail", answer=None, failure=timeout),
+        run_view("c5", verdict="pass", answer="4"),
+        run_view("c6", verdict=None, answer=None, failure=protocol),
+    ]
+    errors = run_errors(runs)
+    assert [r.case_id for r in errors] == ["c1", "c2", "c3", "c6"]  # not the agent's timeout
+    assert run_error_codes(errors) == "spawn_failed × 2, disk_full × 1, worker_protocol × 1"

@@ -298,7 +298,10 @@ async def test_config_failures_command_not_found_and_missing_secret(pipeline: Pi
     batches = {name: await pipeline.submit(spec) for name, spec in (("spawn", not_found), ("secret", no_secret))}
     for name, batch_id in batches.items():
         view = await pipeline.finalized(batch_id)
-        assert view.status == "succeeded", name  # a failed case is data, not a failed batch
+        # its only run never ran: a batch that graded nothing is no success, and says why
+        assert view.status == "failed", name
+        assert view.error is not None
+        assert (view.error.code, view.error.phase) == ("no_run_executed", "dispatch"), name
         assert view.summary is not None
         assert view.summary.counts.failed == 1
         assert view.summary.verdicts.no_verdict == 1
@@ -386,7 +389,10 @@ async def test_infra_failure_is_retried_per_policy_then_reported(pipeline: Pipel
     finally:
         await pipeline.restart("dispatcher")
     for batch_id, attempts in ((retried, [1, 2, 3]), (once, [1])):
-        assert views[batch_id].status == "succeeded"
+        assert views[batch_id].status == "failed"  # its only run never got a sandbox
+        error = views[batch_id].error
+        assert error is not None
+        assert error.code == "no_run_executed"
         run = (await pipeline.runs(batch_id))["c1"]
         assert run.executed_status == "failed"
         assert run.failure is not None
@@ -414,7 +420,9 @@ async def test_harness_files_that_cannot_be_laid_out_are_a_config_failure(pipeli
     )
     batch_id = await pipeline.submit(spec)
     view = await pipeline.finalized(batch_id)
-    assert view.status == "succeeded"
+    assert view.status == "failed"  # its only run never ran
+    assert view.error is not None
+    assert view.error.code == "no_run_executed"
     run = (await pipeline.runs(batch_id))["c1"]
     assert run.failure is not None
     assert (run.failure.failure_class, run.failure.retryable) == ("config", False), run.failure

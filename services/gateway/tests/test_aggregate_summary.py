@@ -140,3 +140,28 @@ def test_final_status() -> None:
     event = build_finalized("b1", [run("a", m("tests_pass", 1, True))], has_sinks=False, cancel_reason="cancelled")
     assert (event.batch_id, event.status, event.export.status) == ("b1", "cancelled", "skipped")
     assert event.summary.verdicts.passed == 1
+
+
+def test_a_batch_none_of_whose_runs_ran_fails_with_the_reason() -> None:
+    missing = CaseFailure(stage="run", failure_class="config", code="spawn_failed", message="cannot start 'agent'")
+    no_sandbox = CaseFailure(stage="dispatch", failure_class="config", code="unschedulable", message="too big")
+    crashed = CaseFailure(stage="run", failure_class="agent", code="exit_nonzero", message="harness exited with 1")
+    status, error = final_status(
+        [run("a", status="failed", failure=missing), run("b", status="failed", failure=no_sandbox)], cancel_reason=None
+    )
+    assert status == "failed"
+    assert error is not None
+    assert (error.code, error.phase) == ("no_run_executed", "dispatch")
+    assert error.message == (
+        "no run executed; 2 of 2 failed before their harness ran, e.g. spawn_failed: cannot start 'agent'"
+    )
+    # one run that ran (even badly) is a batch that ran: its agent failed, the batch did not
+    ran = [run("a", status="failed", failure=missing), run("b", status="failed", failure=crashed)]
+    assert final_status(ran, cancel_reason=None) == ("succeeded", None)
+    assert final_status([run("a", status="failed", failure=missing)], cancel_reason="cancelled") == ("cancelled", None)
+    assert final_status([], cancel_reason=None) == ("succeeded", None)
+    assert missing.never_ran()
+    assert no_sandbox.never_ran()
+    assert not crashed.never_ran()
+    assert missing.run_error()
+    assert not crashed.run_error()

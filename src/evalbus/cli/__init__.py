@@ -10,6 +10,7 @@ from evalbus.cli import (
     compare,
     dlq,
     down,
+    init,
     lane,
     online,
     rejudge,
@@ -30,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="evalbus", description="Event-sourced evaluation of AI agents over NATS JetStream."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (up, status, down, run, tail, rejudge, compare, baseline, online, dlq, verify, replay, schemas, lane,
+    for module in (init, up, status, down, run, tail, rejudge, compare, baseline, online, dlq, verify, replay, schemas, lane,
                    runner_key):  # fmt: skip
         module.register(commands)
     return parser

@@ -78,6 +78,15 @@ def _read_token(path: Path) -> str:
         raise TargetError(f"cannot read the token file {path}: {e.strerror or e}") from e
 
 
+def not_up(state_dir: Path) -> str:
+    """Why a command found no stack, and how to point it at one (a stack started elsewhere is
+    the usual reason, not a stack that is missing)."""
+    return (
+        f"evalbus is not up in {state_dir}: point at the folder of a running stack with --dir DIR or "
+        "$EVALBUS_DIR (the `.evalbus` of the folder `evalbus up` ran in), or start one here with `evalbus up`"
+    )
+
+
 def gateway_target(state_dir: Path, url: str | None, token: str | None) -> GatewayTarget:
     """The gateway to call (see the module docstring for the order)."""
     endpoints = None
@@ -86,9 +95,7 @@ def gateway_target(state_dir: Path, url: str | None, token: str | None) -> Gatew
         endpoints = _recorded(state_dir)
         url = endpoints.gateway if endpoints is not None else None
     if url is None:
-        raise TargetError(
-            f"no gateway: evalbus is not up in {state_dir} (run `evalbus up`), or pass --gateway / set ${GATEWAY_ENV}"
-        )
+        raise TargetError(f"no gateway: {not_up(state_dir)}; or pass --gateway / set ${GATEWAY_ENV}")
     token = token or os.environ.get(TOKEN_ENV) or None
     if token is None:
         endpoints = endpoints or _recorded(state_dir)
@@ -109,7 +116,7 @@ def database_url(state_dir: Path, explicit: str | None) -> str:
     env = os.environ.get("DATABASE_URL")
     if env:
         return env
-    raise TargetError(f"no database: evalbus is not up in {state_dir} (run `evalbus up`), or pass --database")
+    raise TargetError(f"no database: {not_up(state_dir)}; or pass --database")
 
 
 def nats_url(state_dir: Path, explicit: str | None) -> str:
@@ -122,4 +129,4 @@ def nats_url(state_dir: Path, explicit: str | None) -> str:
     env = os.environ.get("NATS_URL")
     if env:
         return env
-    raise TargetError(f"no NATS server: evalbus is not up in {state_dir} (run `evalbus up`), or pass --nats")
+    raise TargetError(f"no NATS server: {not_up(state_dir)}; or pass --nats")

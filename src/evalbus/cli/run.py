@@ -5,7 +5,9 @@ whose cases are too large to ride in the batch is uploaded as a dataset first (`
 Exit codes: 0 the batch finalized `succeeded` (whatever the verdicts), 1 it failed or was
 cancelled (or the gateway could not be reached), 2 bad input (the suite file or the spec, each
 problem printed with its field path; a `--gate` that does not parse), 3 the batch succeeded and a
-gate failed (`evalbus.cli.gates`).
+gate failed (`evalbus.cli.gates`), 4 with `--fail-on-run-errors`: a run failed to execute for a
+reason that is not the agent's. Before submitting it warns (stderr) when the harness's program or
+script looks missing (`harness_warnings`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import argparse
 import asyncio
 import json
 import sys
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 from evalbus.cli.connection import GatewayTarget, add_gateway_options
@@ -28,10 +32,17 @@ from evalbus.cli.follow import (
     report_spec_problems,
     resolve_target,
 )
-from evalbus.cli.gates import GateOptionError, ReportFiles, add_gate_options, report_outcome, with_gate_options
+from evalbus.cli.gates import (
+    EXIT_GATE_FAILED,
+    GateOptionError,
+    ReportFiles,
+    add_gate_options,
+    report_outcome,
+    with_gate_options,
+)
 from evalbus.cli.progress import BatchProgress
 from evalbus.cli.scorecard import json_line
-from evalbus.cli.suite_file import SpecFileError, load_suite
+from evalbus.cli.suite_file import SpecFileError, harness_warnings, load_suite
 from evalbus.cli.upload import (
     DEFAULT_INLINE_LIMIT,
     UploadProgress,
@@ -41,8 +52,11 @@ from evalbus.cli.upload import (
     offload_cases,
 )
 from evalbus_api.client import ApiRequestError, GatewayClient
+from evalbus_api.views import RunView
 from evalbus_contracts import BatchSpec, expected_runs
 
+EXIT_RUN_ERRORS = 4
+"""`--fail-on-run-errors`: a run failed to execute (the batch may have succeeded)."""
 EXIT_INTERRUPTED = 130
 """Ctrl-C: the batch goes on; only following it stopped."""
 
@@ -55,13 +69,19 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         description="Submit a suite file (YAML) as a batch through the gateway, draw a progress bar per stage "
         "from its event stream, then print the scorecard and the gates. Exit 0 when the batch finalized (whatever "
         "the verdicts) and every gate passed, 1 when it failed or was cancelled, 2 on bad input, 3 when a gate "
-        "failed.",
+        "failed, 4 with --fail-on-run-errors when a run failed to execute.",
     )
     parser.add_argument("suite", type=Path, help="the suite file (YAML: suite, harness, judges, sinks, policy)")
     parser.add_argument(
         "--json", action="store_true", help='print only {"batch_id", "status", "summary"} as one JSON line'
     )
     parser.add_argument("--no-wait", action="store_true", help="submit and print the batch id; do not follow it")
+    parser.add_argument(
+        "--fail-on-run-errors",
+        action="store_true",
+        help="exit 4 when any run failed to execute for a reason that is not the agent's (a missing program, a spec "
+        "error, the platform: failure class infra, config or harness), even if the batch succeeded",
+    )
     add_gate_options(parser)
     add_gateway_options(parser)
     parser.set_defaults(run=run)
@@ -75,9 +95,11 @@ async def submit_and_follow(
     no_wait: bool,
     files: ReportFiles = ReportFiles(),  # noqa: B008 - frozen, never mutated
     inline_max_bytes: int = DEFAULT_INLINE_LIMIT,
+    fail_on_run_errors: bool = False,
 ) -> int:
     """Submit `spec`, follow it and print the outcome; the exit code. Cases that encode to more
-    than `inline_max_bytes` bytes are uploaded as a dataset first (`evalbus.cli.upload`)."""
+    than `inline_max_bytes` bytes are uploaded as a dataset first (`evalbus.cli.upload`);
+    `fail_on_run_errors`: 4 when a run failed to execute (`run_errors`), whatever the batch did."""
     async with GatewayClient(target.url, target.token) as client:
         try:
             submitted = spec
@@ -111,7 +133,25 @@ async def submit_and_follow(
         except asyncio.CancelledError:  # Ctrl-C
             error_line(f"\nstopped following; batch {batch_id} goes on: evalbus tail {batch_id}")
             raise
-        return await report_outcome(client, outcome, spec.gates, json_output=json_output, out=sys.stdout, files=files)
+        code = await report_outcome(client, outcome, spec.gates, json_output=json_output, out=sys.stdout, files=files)
+        errors = run_errors(outcome.runs)
+        if fail_on_run_errors and errors and code in (EXIT_FINALIZED, EXIT_GATE_FAILED):
+            error_line(
+                f"evalbus run: {len(errors)} of {len(outcome.runs)} runs failed to execute ({run_error_codes(errors)})"
+            )
+            return EXIT_RUN_ERRORS
+        return code
+
+
+def run_errors(runs: Sequence[RunView]) -> list[RunView]:
+    """The runs that failed to execute for a reason that is not the agent's (`CaseFailure.run_error`)."""
+    return [r for r in runs if r.failure is not None and r.failure.run_error()]
+
+
+def run_error_codes(runs: Sequence[RunView]) -> str:
+    """`spawn_failed × 3, provision_failed × 1`: what the run errors were, most frequent first."""
+    counted = Counter(r.failure.code for r in runs if r.failure is not None)
+    return ", ".join(f"{code} × {n}" for code, n in counted.most_common())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
     except UploadSettingError as e:
         error_line(f"evalbus run: {e}")
         return EXIT_BAD_INPUT
+    for warning in harness_warnings(spec):
+        error_line(f"evalbus run: warning: {warning}; its runs will fail unless the dispatcher's machine has it")
     target = resolve_target("run", args.dir, args.gateway, args.token)
     if target is None:
         return EXIT_NOT_SUCCEEDED
@@ -138,7 +180,13 @@ def run(args: argparse.Namespace) -> int:
         files = ReportFiles.of(args)
         return asyncio.run(
             submit_and_follow(
-                spec, target, json_output=args.json, no_wait=args.no_wait, files=files, inline_max_bytes=limit
+                spec,
+                target,
+                json_output=args.json,
+                no_wait=args.no_wait,
+                files=files,
+                inline_max_bytes=limit,
+                fail_on_run_errors=args.fail_on_run_errors,
             )
         )
     except KeyboardInterrupt:

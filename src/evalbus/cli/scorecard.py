@@ -31,6 +31,11 @@ MAX_FAILED_SHOWN = 10
 MAX_FLAKY_SHOWN = 10
 """Flaky cases listed by name on the scorecard; the rest are counted."""
 _CELL = 28
+MAX_LOG_TAILS_SHOWN = 3
+"""Failed runs whose log's last lines are printed under the failed cases."""
+LOG_TAIL_LINES = 3
+"""Lines of each of those logs."""
+_MESSAGE = 72
 
 
 def number(value: float | None) -> str:
@@ -175,10 +180,27 @@ def failed_runs(runs: Sequence[RunView]) -> list[RunView]:
 
 
 def why_failed(run: RunView) -> str:
-    """The failure code (and class), else the verdict and the rung that decided it."""
+    """The failure's code (class, stage) and message, else the verdict and the rung that decided it."""
     if run.failure is not None:
-        return f"{run.failure.code} ({run.failure.failure_class}, {run.failure.stage})"
+        failure = run.failure
+        message = " ".join(failure.message.split())
+        if len(message) > _MESSAGE:
+            message = message[: _MESSAGE - 1] + "…"
+        return f"{failure.code} ({failure.failure_class}, {failure.stage}): {message}"
     return f"verdict fail ({run.verdict_rung or 'no rung'})"
+
+
+def log_tail_lines(failed: Sequence[RunView], limit: int = MAX_LOG_TAILS_SHOWN) -> list[str]:
+    """The last lines of the logs of the first failed runs that left one (what a user reads first
+    when a run failed to start or crashed)."""
+    out: list[str] = []
+    tails = [(r, r.failure.log_tail) for r in failed if r.failure is not None and r.failure.log_tail]
+    for run, tail in [(r, t) for r, t in tails if t.strip()][:limit]:
+        lines = [line for line in tail.splitlines() if line.strip()][-LOG_TAIL_LINES:]
+        case = run.case_id + (f" #{run.trial}" if run.trial is not None else "")
+        out.append(f"  {case}: the last lines of its log (evalbus tail, GET /v1/runs/{run.run_id}/logs)")
+        out += [f"    | {line[:160]}" for line in lines]
+    return out
 
 
 def failed_lines(
@@ -196,6 +218,7 @@ def failed_lines(
     out += table(rows, indent="  ")
     if len(failed) > limit:
         out.append(f"  … and {len(failed) - limit} more (GET /v1/batches/<id>/cases)")
+    out += log_tail_lines(failed[:limit])
     return out
 
 

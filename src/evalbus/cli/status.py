@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from evalbus.cli.connection import not_up
 from evalbus.cli.options import add_dir_option
 from evalbus.infra.endpoints import Endpoints, endpoints_path, load_endpoints
 from evalbus.infra.health import ComponentHealth, StackHealth, check_stack
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status_document(args.dir, endpoints, health), indent=2))
     elif health is None:
-        print(f"evalbus is not up here: no {endpoints_path(args.dir)} (run `evalbus up`)")
+        print(f"{not_up(args.dir)} (no {endpoints_path(args.dir)})")
     else:
         print(render_table(health))
         if endpoints is not None and endpoints.gateway:

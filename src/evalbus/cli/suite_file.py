@@ -23,6 +23,7 @@ suite file too.
 from __future__ import annotations
 
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -123,6 +124,45 @@ def resolve_command(spec: BatchSpec, folder: Path) -> BatchSpec:
         return spec
     harness = msgspec.structs.replace(spec.harness, command=command, python=python)
     return msgspec.structs.replace(spec, harness=harness)
+
+
+SCRIPT_SUFFIXES = (".py", ".sh", ".js", ".mjs", ".ts", ".rb", ".pl")
+"""A command argument with one of these endings names a script the harness needs to exist."""
+
+
+def harness_warnings(spec: BatchSpec, *, path: str | None = None) -> list[str]:
+    """What about the harness looks missing on this machine, before anything is submitted: its
+    program not on `path` (default: this process's PATH, the one a local stack's harness gets) or
+    not a file, a script argument or a worker's `file.py` neither in `harness.files` nor next to the
+    suite (`resolve_command` made those that exist absolute). Warnings, not errors: a cluster's
+    case image may have what this machine lacks."""
+    harness = spec.harness
+    files = set(harness.files)
+    out: list[str] = []
+    if harness.command:
+        program = harness.command[0]
+        if program in files:
+            pass
+        elif "/" in program:
+            if not Path(program).is_file():
+                out.append(f"the harness program {program!r} does not exist")
+        elif shutil.which(program, path=path) is None:
+            out.append(f"the harness program {program!r} is not on PATH")
+        for arg in harness.command[1:]:
+            if (
+                arg.endswith(SCRIPT_SUFFIXES)
+                and arg not in files
+                and not arg.startswith("-")
+                and not Path(arg).is_file()
+            ):
+                out.append(f"the harness's {arg!r} is neither next to the suite file nor in harness.files")
+    if harness.python is not None:
+        where, sep, _ = harness.python.rpartition(":")
+        if sep and where.endswith(".py") and where not in files and not Path(where).is_file():
+            out.append(
+                f"the worker's {where!r} (harness.python) is neither next to the suite file nor in harness.files"
+            )
+    return out
 
 
 def load_suite(path: Path) -> BatchSpec:

@@ -59,6 +59,19 @@ class CaseFailure(_Data, frozen=True, kw_only=True):
     """The end of the process output at failure time, control lines removed, at most 16 KiB:
     stderr first, then (when both streams have output) as much of stdout's end as fits."""
 
+    def never_ran(self) -> bool:
+        """Whether the harness never ran: the run failed before it (dispatch, install: no sandbox,
+        an unschedulable case, a missing secret) or could not start it (`spawn_failed`: a missing
+        program, a spec error). Such a run says nothing of the agent: it is not graded, and a
+        batch none of whose runs ran fails (`no_run_executed`)."""
+        return self.stage in ("dispatch", "install") or self.code == "spawn_failed"
+
+    def run_error(self) -> bool:
+        """Whether the run failed for a reason that is not the agent's (the platform, the spec, the
+        harness: `--fail-on-run-errors`), rather than the agent answering badly, timing out or
+        exiting non-zero."""
+        return self.failure_class in ("infra", "config", "harness")
+
 
 class TraceRef(_Data, frozen=True, kw_only=True):
     """Where a run's platform trace can be pulled from (the secret by name only)."""

@@ -308,10 +308,18 @@ def export_summary(runs: Sequence[RunOutcome], *, has_sinks: bool) -> ExportSumm
 def final_status(
     runs: Iterable[RunOutcome], *, cancel_reason: CancelReason | None
 ) -> tuple[FinalStatus, BatchError | None]:
-    """`cancelled`/`superseded` when a `batch.cancelled` was recorded; `failed` when an error escaped
-    a judge (`error.phase = "judges"`); else `succeeded`."""
+    """`cancelled`/`superseded` when a `batch.cancelled` was recorded; `failed` when no run's harness
+    ran at all (`no_run_executed`, `error.phase = "dispatch"`, with the first run's reason: a
+    missing program, a spec error — grading nothing is no success) or an error escaped a judge
+    (`error.phase = "judges"`); else `succeeded`."""
     if cancel_reason is not None:
         return cancel_reason, None
+    runs = list(runs)
+    never = [r.failure for r in runs if r.failure is not None and r.failure.never_ran()]
+    if runs and len(never) == len(runs):
+        first = never[0]
+        message = f"no run executed; {len(runs)} of {len(runs)} failed before their harness ran, e.g. {first.code}: {first.message}"
+        return "failed", BatchError(code="no_run_executed", message=message, phase="dispatch")
     first_error = next((r.judge_error for r in runs if r.judge_error), None)
     if first_error is not None:
         return "failed", BatchError(code="judge_error", message=first_error, phase="judges")
