@@ -165,3 +165,21 @@ def test_a_batch_none_of_whose_runs_ran_fails_with_the_reason() -> None:
     assert not crashed.never_ran()
     assert missing.run_error()
     assert not crashed.run_error()
+
+
+
+def test_a_run_that_never_ran_is_not_graded_but_counted_not_executed_under_every_metric() -> None:
+    missing = CaseFailure(stage="run", failure_class="config", code="spawn_failed", message="cannot start 'agent'")
+    runs = [
+        run("a", m("answer_match", 1, True), m("judge:exact", 1, True)),
+        run("b", m("answer_match", 0, False), m("judge:exact", 0, False)),
+        run("c", status="failed", failure=missing),
+        run("d", status="failed", failure=missing),
+    ]
+    summary = summarize(runs)
+    by_metric = {s.metric: s for s in summary.metrics}
+    assert set(by_metric) == {"answer_match", "judge:exact"}
+    for metric in by_metric.values():
+        assert (metric.count, metric.mean, metric.pass_rate) == (2, 0.5, 0.5)  # no zeros from c and d
+        assert metric.unmeasured == {"not_executed": 2}
+    assert (summary.verdicts.passed, summary.verdicts.failed, summary.verdicts.no_verdict) == (1, 1, 2)

@@ -156,14 +156,27 @@ def mean_ci(values: Sequence[float], seed: str) -> Interval:
     return Interval(low=low, high=high, n=len(values), method=method)
 
 
+NOT_EXECUTED = "not_executed"
+"""The unmeasured reason of every metric for a run whose harness never ran (`CaseFailure.never_ran`):
+it is not graded, so it is counted here instead of pulling a mean down with a zero."""
+
+
 def metric_summaries(runs: Iterable[RunOutcome]) -> tuple[MetricSummary, ...]:
-    """Per-metric summaries, sorted by metric, over runs with an outcome that were not cancelled."""
+    """Per-metric summaries, sorted by metric, over runs with an outcome that were not cancelled;
+    a run whose harness never ran counts as `not_executed` under every metric the others have."""
     accs: dict[str, _MetricAcc] = defaultdict(_MetricAcc)
+    never_ran = 0
     for run in runs:
         if not run.has_outcome or run.cancelled:
             continue
+        if run.failure is not None and run.failure.never_ran():
+            never_ran += 1
+            continue
         for score in run.scores:
             accs[score.metric].add(score)
+    if never_ran:
+        for acc in accs.values():
+            acc.unmeasured[NOT_EXECUTED] += never_ran
     return tuple(accs[m].summary(m) for m in sorted(accs))
 
 
