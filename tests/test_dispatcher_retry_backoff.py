@@ -5,14 +5,13 @@ the local backend."""
 
 from __future__ import annotations
 
-import contextlib
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import nats
 import pytest
 from nats.aio.msg import Msg
+from tests.test_deploy_nats_live import running
 
 from evalbus.infra.nats import NatsServer
 from evalbus.testing.pipeline import eventually
@@ -33,15 +32,6 @@ from evalbus_runtime import Publisher, Service
 pytestmark = [pytest.mark.integration]
 
 BACKOFF_S = 4.0
-
-
-@contextlib.asynccontextmanager
-async def running(service: Service) -> AsyncIterator[Service]:
-    await service.start()
-    try:
-        yield service
-    finally:
-        await service.stop()
 
 
 def request(batch: str, case: str, attempt: int) -> CaseRequested:
