@@ -163,7 +163,7 @@ class DispatcherSettings(ServiceSettings):
     runner_nats_secret: str = ""
     """Gone (refused when set): the runners' shared NATS password, which let a harness that read its
     runner's environment publish the live view of any run. They log in with run tokens now
-    (`runner_auth_url`, `runner_auth_seed`; docs/deploy.md, "Upgrading")."""
+    (`runner_auth_url`, `runner_auth_seed`; docs/deploy.md, "Secrets")."""
     runner_auth_url: str = ""
     """The NATS URL, credentials included, of the `runner-auth` user (the `AUTH` account of
     deploy/nats/accounts.conf): this replica answers the server's authorization requests there
@@ -191,7 +191,7 @@ class DispatcherSettings(ServiceSettings):
         if self.runner_nats_secret:
             raise ValueError(
                 "DISPATCHER_RUNNER_NATS_SECRET: the runners' shared NATS password is gone; they log in with run "
-                "tokens (DISPATCHER_RUNNER_AUTH_URL and DISPATCHER_RUNNER_AUTH_SEED, docs/deploy.md, 'Upgrading')"
+                "tokens (DISPATCHER_RUNNER_AUTH_URL and DISPATCHER_RUNNER_AUTH_SEED, docs/deploy.md, 'Secrets')"
             )
         if bool(self.runner_auth_url) != bool(self.runner_auth_seed):
             missing = "DISPATCHER_RUNNER_AUTH_SEED" if self.runner_auth_url else "DISPATCHER_RUNNER_AUTH_URL"
