@@ -174,7 +174,11 @@ async def test_a_full_workdir_disk_fails_its_cases_visibly_and_loses_nothing(
     starved = await p.submit(spec("disk-starved", {c: task(write={"out.txt": c}, answer=c) for c in starved_ids}))
     starved_view = await p.finalized(starved, timeout_s=90)
     assert free_bytes(small_disk) == 0, "the hog still holds the disk"
-    assert starved_view.status == "succeeded", starved_view
+    # none of its runs got a workdir: the batch graded nothing, so it fails and says why
+    assert starved_view.status == "failed", starved_view
+    assert starved_view.error is not None
+    assert starved_view.error.code == "no_run_executed"
+    assert "disk_full" in starved_view.error.message, starved_view.error
     for run in (await p.runs(starved)).values():
         assert_disk_full(run, "dispatch", small_disk)
 
