@@ -167,7 +167,6 @@ def test_a_batch_none_of_whose_runs_ran_fails_with_the_reason() -> None:
     assert not crashed.run_error()
 
 
-
 def test_a_run_that_never_ran_is_not_graded_but_counted_not_executed_under_every_metric() -> None:
     missing = CaseFailure(stage="run", failure_class="config", code="spawn_failed", message="cannot start 'agent'")
     runs = [
