@@ -5,13 +5,14 @@ the local backend."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import nats
 import pytest
 from nats.aio.msg import Msg
-from tests.test_deploy_nats_live import running
 
 from evalbus.infra.nats import NatsServer
 from evalbus.testing.pipeline import eventually
@@ -32,6 +33,15 @@ from evalbus_runtime import Publisher, Service
 pytestmark = [pytest.mark.integration]
 
 BACKOFF_S = 4.0
+
+
+@contextlib.asynccontextmanager
+async def running(service: Service) -> AsyncIterator[Service]:
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop()
 
 
 def request(batch: str, case: str, attempt: int) -> CaseRequested:
