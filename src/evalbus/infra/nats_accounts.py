@@ -180,15 +180,6 @@ SERVICES: tuple[ServiceUser, ...] = (
 
 # ---------------------------------------------------------------- the in-job runner
 
-RUNNER_PUBLISHES: tuple[Grant, ...] = (
-    Grant("run.<run>.live.log", "its run's live log (LiveLog)"),
-    Grant("run.<run>.live.trace", "its run's live trace events (LiveTrace)"),
-)
-"""Everything a runner may publish, for its own run only: core NATS publishes into the LIVE
-stream's log and trace subjects, no JetStream API (it reads no stream, creates no consumer,
-publishes no case or batch event, no infra mark or placement sample: those stay the
-dispatcher's). It subscribes to nothing."""
-
 AUTH_ACCOUNT = "AUTH"
 """The account of the runners' credential check (nats-server's auth callout): only its responder
 is in it, so no evalbus user can hear the requests, which hold what each client connected with."""
