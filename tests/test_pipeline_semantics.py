@@ -544,7 +544,11 @@ async def test_a_run_streams_its_output_marks_and_trace_to_the_live_stream(pipel
 
     async def marks_arrived() -> bool:
         events[:] = await live()
-        return {e.mark.event for e in events if isinstance(e, InfraMark)} >= {"accepted", "started", "released"}
+        return {m.event for e in events if isinstance(e, InfraMark) for m in e.marks} >= {
+            "accepted",
+            "started",
+            "released",
+        }
 
     await eventually(marks_arrived, timeout_s=15, what="the live marks of the run")
     logs = "".join(e.text for e in events if isinstance(e, LiveLog) and e.stream == "stderr")

@@ -354,7 +354,7 @@ async def execute_with_live(
             executed = await execute_case(req, cluster.backend, live=bus, on_release=lambda: None)
 
         async def released_heard() -> bool:
-            return any(isinstance(e, InfraMark) and e.mark.event == "released" for _, e in heard.messages)
+            return any(isinstance(e, InfraMark) and "released" in {m.event for m in e.marks} for _, e in heard.messages)
 
         await eventually(released_heard, timeout_s=10, what="the released mark on the live subjects")
         await publisher.stop()
@@ -381,7 +381,7 @@ async def test_the_runner_publishes_the_live_view_once_and_the_result_is_unchang
     assert heard.log_lines("stderr") == ["on stderr"]
     assert [e.text for e in heard.events() if isinstance(e, Message)] == ["thinking"]
     assert {c.execution for c in heard.logs() + heard.traces()} == {bus.execution}
-    marks = [e.mark.event for _, e in heard.messages if isinstance(e, InfraMark)]
+    marks = [m.event for _, e in heard.messages if isinstance(e, InfraMark) for m in e.marks]
     assert {"accepted", "placed", "exited", "released"} <= set(marks)  # the dispatcher's own, as before
     # the job spec carries the run's token (worth that run's live view, until the job's longest life
     # is over), and nothing else does: no other part of the job, no live message, no event

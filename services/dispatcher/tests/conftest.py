@@ -44,8 +44,8 @@ class _RecordingLive:
     async def trace(self, events: Sequence[TraceEvent]) -> None:
         self.records.append(("trace", list(events)))
 
-    async def infra(self, mark: Infra) -> None:
-        self.records.append(("infra", mark))
+    async def infra(self, marks: Sequence[Infra]) -> None:
+        self.records.extend(("infra", mark) for mark in marks)
 
     async def placement(self, sample: PlacementSample) -> None:
         self.records.append(("placement", sample))

@@ -50,6 +50,8 @@ class Sink:
         self.events: list[TraceEvent] = []
         self.marks: list[Infra] = []
         self.samples: list[PlacementSample] = []
+        self.calls: list[tuple[str, int]] = []
+        """Each `infra` and `trace` call: which, and how many marks or events it carried."""
         self.arrived = asyncio.Event()
         self._stall = stall
 
@@ -61,10 +63,13 @@ class Sink:
 
     async def trace(self, events: Sequence[TraceEvent]) -> None:
         self.events.extend(events)
+        self.calls.append(("trace", len(events)))
         self.arrived.set()
 
-    async def infra(self, mark: Infra) -> None:
-        self.marks.append(mark)
+    async def infra(self, marks: Sequence[Infra]) -> None:
+        self.marks.extend(marks)
+        self.calls.append(("infra", len(marks)))
+        self.arrived.set()
 
     async def placement(self, sample: PlacementSample) -> None:
         self.samples.append(sample)
@@ -168,7 +173,7 @@ async def test_an_oversized_event_is_dropped_whole_and_counted() -> None:
 async def test_a_stalled_sink_costs_old_lines_not_memory() -> None:
     stall = asyncio.Event()
     sink = Sink(stall=stall)
-    async with LiveTee(sink, interval_s=0.01, pending_bytes=100) as tee:
+    async with LiveTee(sink, interval_s=0.01, pending_bytes=100, hold_s=0) as tee:
         await tee.on_output("stdout", "first")  # taken by the first flush, which stalls in the sink
         await asyncio.sleep(0)  # let the pump start that flush
         for i in range(200):
@@ -180,6 +185,58 @@ async def test_a_stalled_sink_costs_old_lines_not_memory() -> None:
     assert text.endswith("line 199\n")
     assert "line 000" not in text
     assert len(text.encode()) < 300
+
+
+def mark(event: str) -> Infra:
+    return Infra(scope="placement", event=event)
+
+
+@pytest.mark.unit
+async def test_a_runs_first_moments_go_out_together_in_order() -> None:
+    """The first mark goes out at once; after it, within the hold, nothing reaches the sink; at its
+    end (here: the close) the marks and the trace events go out as runs, one call each, in the
+    order they happened."""
+    sink = Sink()
+    async with LiveTee(sink, hold_s=3600) as tee:
+        for event in ("accepted", "started", "placed"):
+            await tee.mark(mark(event))
+        await tee.on_output("stdout", event_line({"kind": "tool_call", "id": "1", "name": "x"}))
+        await tee.on_output("stdout", "a line")
+        await tee.on_output("stdout", event_line({"kind": "tool_result", "id": "1", "output": "4"}))
+        await tee.mark(mark("exited"))
+        await tee.mark(mark("released"))
+        assert sink.calls == [("infra", 1)]
+        assert sink.logs == []  # held
+    assert sink.calls == [("infra", 1), ("infra", 2), ("trace", 2), ("infra", 2)]
+    assert [m.event for m in sink.marks] == ["accepted", "started", "placed", "exited", "released"]
+    assert [getattr(e, "id", None) for e in sink.events] == ["1", "1"]
+    assert sink.text() == "a line\n"
+
+
+@pytest.mark.unit
+async def test_after_the_hold_a_mark_goes_out_at_once() -> None:
+    sink = Sink()
+    async with LiveTee(sink, hold_s=0.05) as tee:
+        await tee.mark(mark("accepted"))
+        await tee.mark(mark("started"))
+        await sink.wait_for(lambda: len(sink.marks) == 2)  # the hold's end sent the second
+        await tee.on_output("stdout", event_line({"kind": "tool_call", "id": "1", "name": "x"}))
+        await tee.mark(mark("exited"))
+        # sent within the call, after the event buffered before it
+        assert sink.calls == [("infra", 1), ("infra", 1), ("trace", 1), ("infra", 1)]
+
+
+@pytest.mark.unit
+async def test_a_held_trace_is_cut_into_bounded_calls() -> None:
+    sink = Sink()
+    line = event_line({"kind": "tool_result", "id": "r", "output": "y" * 900})
+    async with LiveTee(sink, hold_s=3600, trace_batch_bytes=4096) as tee:
+        for _ in range(20):
+            await tee.on_output("stdout", line)
+    sizes = [n for kind, n in sink.calls if kind == "trace"]
+    assert sum(sizes) == 20
+    assert len(sizes) > 1
+    assert max(sizes) * 900 <= 4096
 
 
 # ---------------------------------------------------------------- execution
@@ -280,17 +337,18 @@ async def test_log_offsets_run_across_streams_attempts_and_redelivered_execution
     run = "b" + uuid.uuid4().hex[:12]
     first = LiveBus(pub, request(run))
     await first.resume(nc.jetstream())  # nothing on the stream yet: offsets start at 0
-    await first.infra(Infra(scope="placement", event="accepted"))
+    await first.infra([Infra(scope="placement", event="accepted")])
     await first.log("stdout", "héllo\n")
     await first.log("stderr", "oops\n")
     await first.trace([ToolCall(id="1", name="a"), ToolCall(id="2", name="b")])
+    await first.infra([Infra(scope="placement", event="exited"), Infra(scope="placement", event="released")])
     await stored_count(nc, f"evb-{run}-c1", 5)
 
     # The same attempt again (a redelivery after a crash) and then attempt 2: same sequence numbers,
     # other executions — stored, not dropped as duplicates — and the offsets carry on.
     for n, again in enumerate((LiveBus(pub, request(run)), LiveBus(pub, request(run, attempt=2))), start=1):
         await again.resume(nc.jetstream())
-        await again.infra(Infra(scope="placement", event="accepted"))
+        await again.infra([Infra(scope="placement", event="accepted")])
         await again.log("stdout", "more\n")
         await stored_count(nc, f"evb-{run}-c1", 5 + 2 * n)
 
@@ -304,6 +362,13 @@ async def test_log_offsets_run_across_streams_attempts_and_redelivered_execution
     ]
     assert len({e.execution for e in logs}) == 3
     traces = [e for e in events if isinstance(e, LiveTrace)]
-    assert [len(e.events) for e in traces] == [1, 1]  # one event per message
-    assert [e.seq for e in traces] == [1, 2]
-    assert sum(isinstance(e, InfraMark) for e in events) == 3
+    assert [[getattr(t, "id", None) for t in e.events] for e in traces] == [["1", "2"]]  # one message per call
+    assert [e.seq for e in traces] == [1]
+    marks = [e for e in events if isinstance(e, InfraMark)]
+    assert [[m.event for m in e.marks] for e in marks] == [
+        ["accepted"],
+        ["exited", "released"],
+        ["accepted"],
+        ["accepted"],
+    ]
+    assert [e.seq for e in marks[:2]] == [1, 2]

@@ -246,9 +246,12 @@ async def test_a_run_whose_dispatcher_stopped_answering_is_dead(
     run_id = script.run_id("c1")
     long_ago = utcnow() - timedelta(seconds=90)
     ids = {"batch_id": script.batch_id, "case_id": "c1", "run_id": run_id, "execution": "e1", "ts": long_ago}
-    for seq, event in enumerate(("accepted", "started", "placed"), start=1):
-        infra = Infra(scope="placement", event=event, message=event, unit="pgid:7" if event == "placed" else None)
-        await pub.publish_event(InfraMark(mark=infra, seq=seq, **ids))  # type: ignore[arg-type]
+    # a run's first marks go out in one message (the dispatcher's hold): the unit is in `more`
+    first, *more = (
+        Infra(scope="placement", event=event, message=event, unit="pgid:7" if event == "placed" else None)
+        for event in ("accepted", "started", "placed")
+    )
+    await pub.publish_event(InfraMark(mark=first, more=tuple(more), seq=1, **ids))  # type: ignore[arg-type]
     await put_status(nc, "d-2", 1, ())  # alive, but not holding it
     view = await both(gateways, run_id)
     assert view.phase == "dead"

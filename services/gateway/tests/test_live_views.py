@@ -78,6 +78,22 @@ def test_the_live_trace_is_marks_and_events_in_stream_order() -> None:
     assert live_trace(RUN, "queued", []).found is False
 
 
+def test_a_message_of_several_marks_or_events_is_each_of_them_and_resumes_after_the_last() -> None:
+    accepted, started = Infra(scope="placement", event="accepted"), Infra(scope="placement", event="started")
+    calls = (ToolCall(id="1", name="x"), ToolCall(id="2", name="y"))
+    marks = Stored(seq=4, event=InfraMark(run_id=RUN, mark=accepted, more=(started,)))
+    trace = Stored(seq=5, event=LiveTrace(run_id=RUN, seq=1, events=calls))
+    assert live_trace(RUN, "running", [marks, trace]).events == (accepted, started, *calls)
+    parsed = SseParser().feed(b"".join([*trace_frames(marks), *trace_frames(trace)]))
+    # only a message's last frame carries its sequence: a client cut off inside it gets it again
+    assert [(e.id, msgspec.json.decode(e.data).get("event") or msgspec.json.decode(e.data)["id"]) for e in parsed] == [
+        (None, "accepted"),
+        (4, "started"),
+        (4, "1"),
+        (5, "2"),
+    ]
+
+
 def test_frames_parse_back_to_what_was_sent() -> None:
     parser = SseParser()
     data = b"".join(

@@ -305,7 +305,8 @@ class LiveTrace(_Event, frozen=True, kw_only=True, tag="live.trace"):
     seq: int
     """Batch number within the run."""
     events: tuple[TraceEvent, ...]
-    """The events (the dispatcher sends one per message, so the ring holds 2,000 events)."""
+    """The events, in order (the dispatcher sends those of one flush together, up to 64 KiB of
+    their JSON per message, so the 2,000-message ring holds at least 2,000 events)."""
     execution: str | None = None
     """Id of this execution of the attempt (a redelivered attempt runs again under a new one)."""
 
@@ -317,14 +318,22 @@ class LiveTrace(_Event, frozen=True, kw_only=True, tag="live.trace"):
 
 
 class InfraMark(_Event, frozen=True, kw_only=True, tag="live.infra"):
-    """An infrastructure mark (accepted, waiting, started, placed, released)."""
+    """An infrastructure mark (accepted, waiting, started, placed, released), and the marks that
+    followed it at once (`more`: the first marks of a run go out together, see `marks`)."""
 
     mark: Infra
     """The mark, as it also appears in the sealed trace."""
+    more: tuple[Infra, ...] = ()
+    """Marks that came right after `mark`, in order (a reader that knows only `mark` misses them)."""
     execution: str | None = None
     """Id of this execution of the attempt (a redelivered attempt runs again under a new one)."""
     seq: int = 0
     """Mark number within the execution (several `waiting` marks may follow each other)."""
+
+    @property
+    def marks(self) -> tuple[Infra, ...]:
+        """Every mark of the message, in order."""
+        return (self.mark, *self.more)
 
     def subject(self) -> str:
         return s.live_subject(_req(self.run_id, "run id"), "infra")

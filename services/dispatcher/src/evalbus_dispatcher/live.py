@@ -2,7 +2,12 @@
 
 Live views are best effort: a sink that fails is logged and never fails the case, and a slow
 sink never stalls the harness's pipes (lines are buffered and flushed at most every interval).
-Infra marks go out at once, after whatever was buffered before them, so order is kept.
+Infra marks go out at once, after whatever was buffered before them, so order is kept — except in
+a run's first `HOLD_S`: what happens then after its first mark (marks, trace events, output) is
+held and goes out together when the hold ends or the run does, runs of marks and of trace events
+each as one call. A run over in a few milliseconds then costs four or five LIVE messages, not one
+per mark and event (ten for a short agent); a user watching a longer run sees its first mark at
+once (live reads know a run not yet recorded by it) and the next ones up to 0.1 s late.
 
 What reaches the sink is bounded: a log chunk is at most `MAX_LOG_CHUNK_BYTES` of UTF-8 (a longer
 line is split, never inside a character), the output buffered while the sink is slow is at most
@@ -19,6 +24,7 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Protocol
 
@@ -37,6 +43,10 @@ MAX_PENDING_BYTES = 1024 * 1024
 """Most output buffered per stream between flushes (a stalled sink costs lines, not memory)."""
 MAX_EVENT_BYTES = 4 * 1024
 """Largest trace event (its JSON) sent live; a larger one is dropped and counted."""
+HOLD_S = 0.1
+"""How long a run's first live messages are held, to go out together."""
+MAX_TRACE_BATCH_BYTES = 64 * 1024
+"""Most trace-event JSON handed to the sink in one `trace` call (one LIVE message)."""
 SINK_TIMEOUT_S = 10.0
 """A sink call that takes longer is abandoned (and logged): a stalled bus never holds a case."""
 
@@ -54,8 +64,9 @@ class LiveSink(Protocol):
         """Trace events the harness printed, in order (each at most `MAX_EVENT_BYTES`)."""
         ...
 
-    async def infra(self, mark: Infra) -> None:
-        """An infrastructure mark (accepted, waiting, started, placed, exited, released)."""
+    async def infra(self, marks: Sequence[Infra]) -> None:
+        """Infrastructure marks (accepted, waiting, started, placed, exited, released), in order
+        (one or more)."""
         ...
 
     async def placement(self, sample: PlacementSample) -> None:
@@ -123,6 +134,8 @@ class LiveTee:
         chunk_bytes: int = MAX_LOG_CHUNK_BYTES,
         pending_bytes: int = MAX_PENDING_BYTES,
         event_bytes: int = MAX_EVENT_BYTES,
+        hold_s: float = HOLD_S,
+        trace_batch_bytes: int = MAX_TRACE_BATCH_BYTES,
     ) -> None:
         self._sink = sink
         self._interval = interval_s
@@ -134,6 +147,14 @@ class LiveTee:
         }
         self._recent: dict[OutputStream, _Recent] = {"stdout": _Recent(TAIL_BYTES), "stderr": _Recent(TAIL_BYTES)}
         self._events: list[TraceEvent] = []
+        self._event_sizes: list[int] = []
+        self._queued: list[_Segment] = []
+        """Marks and the output before each, in order, for the next flush (they gather here
+        during the hold)."""
+        self._hold_s = hold_s
+        self._holding = hold_s > 0
+        self._announced = False
+        self._trace_batch_bytes = trace_batch_bytes
         self._dropped_now = 0
         self.dropped_events = 0
         """Trace events left out of the live trace so far for being over the size limit."""
@@ -162,11 +183,13 @@ class LiveTee:
         parsed = parse_line(line)
         if stream == "stdout" and parsed.kind == "event" and parsed.event is not None:
             event = shift(parsed.event, self.t_offset)
-            if len(_encoder.encode(event)) > self._event_bytes:
+            size = len(_encoder.encode(event))
+            if size > self._event_bytes:
                 self._dropped_now += 1
                 self.dropped_events += 1
             else:
                 self._events.append(event)
+                self._event_sizes.append(size)
             self._dirty.set()
             return
         if stream == "stdout" and parsed.kind == "cdp" and parsed.cdp is not None and self.on_cdp is not None:
@@ -188,13 +211,23 @@ class LiveTee:
         await _best_effort("placement", self._sink.placement, sample)
 
     async def mark(self, mark: Infra) -> None:
-        """Publish an infra mark now, after everything buffered before it."""
+        """Publish an infra mark now, after everything buffered before it (while the hold lasts:
+        queue it, in order, for the hold's end)."""
         async with self._lock:
-            await self._flush_locked()
-            await _best_effort("infra", self._sink.infra, mark)
+            buffered = self._take_output()
+            if not buffered.output() and self._queued:
+                self._queued[-1].marks.append(mark)  # right after the last: one message
+            else:
+                buffered.marks.append(mark)
+                self._queued.append(buffered)
+            if not self._announced:  # the first mark at once: it makes the run known to live reads
+                self._announced = True
+                await self._flush_locked(hold=False)
+            else:
+                await self._flush_locked()
 
     async def close(self) -> None:
-        """Stop the periodic flush and flush what is left."""
+        """Stop the periodic flush and flush what is left (the hold ends)."""
         self._closing.set()
         self._dirty.set()
         if self._task is not None:
@@ -202,9 +235,17 @@ class LiveTee:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         async with self._lock:
+            self._holding = False
             await self._flush_locked()
 
     async def _pump(self) -> None:
+        if self._holding:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._hold_s):
+                    await self._closing.wait()
+            async with self._lock:
+                self._holding = False
+                await self._flush_locked()
         while not self._closing.is_set():
             await self._dirty.wait()
             self._dirty.clear()
@@ -213,25 +254,68 @@ class LiveTee:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._closing.wait(), self._interval)
 
-    async def _flush_locked(self) -> None:
-        if self._dropped_now:
-            t = self._events[-1].t if self._events else self.t_offset
-            note = Error(
-                message=f"{self._dropped_now} trace event(s) over {self._event_bytes} bytes left out of the live "
-                f"trace ({self.dropped_events} so far); the sealed trajectory keeps them",
-                t=t,
-            )
-            self._events.append(note)
-            self._dropped_now = 0
-        if self._events:
-            events, self._events = self._events, []
-            await _best_effort("trace", self._sink.trace, events)
+    def _take_output(self) -> _Segment:
+        """The trace events (and the note of those dropped) and output buffered so far."""
+        self._note_dropped()
+        taken = _Segment(events=self._events, sizes=self._event_sizes)
+        self._events, self._event_sizes = [], []
         for stream in ("stdout", "stderr"):
             pending = self._logs[stream]
-            if not pending:
-                continue
-            for chunk in chunks(pending.take(), self._chunk_bytes):
-                await _best_effort("log", self._sink.log, stream, chunk)
+            if pending:
+                taken.logs.append((stream, pending.take()))
+        return taken
+
+    def _note_dropped(self) -> None:
+        if not self._dropped_now:
+            return
+        t = self._events[-1].t if self._events else self.t_offset
+        note = Error(
+            message=f"{self._dropped_now} trace event(s) over {self._event_bytes} bytes left out of the live "
+            f"trace ({self.dropped_events} so far); the sealed trajectory keeps them",
+            t=t,
+        )
+        self._events.append(note)
+        self._event_sizes.append(len(_encoder.encode(note)))
+        self._dropped_now = 0
+
+    async def _flush_locked(self, *, hold: bool = True) -> None:
+        if self._holding and hold:
+            return  # the hold's end (or the close) sends it all
+        segments, self._queued = [*self._queued, self._take_output()], []
+        for segment in segments:
+            for batch in segment.event_batches(self._trace_batch_bytes):
+                await _best_effort("trace", self._sink.trace, batch)
+            for stream, lines in segment.logs:
+                for chunk in chunks(lines, self._chunk_bytes):
+                    await _best_effort("log", self._sink.log, stream, chunk)
+            if segment.marks:
+                await _best_effort("infra", self._sink.infra, segment.marks)
+
+
+@dataclass
+class _Segment:
+    """Output buffered before the marks that follow it, sent in that order."""
+
+    events: list[TraceEvent] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    """Each event's JSON bytes."""
+    logs: list[tuple[OutputStream, list[str]]] = field(default_factory=list)
+    marks: list[Infra] = field(default_factory=list)
+
+    def output(self) -> bool:
+        return bool(self.events or self.logs)
+
+    def event_batches(self, limit: int) -> list[list[TraceEvent]]:
+        """The events in order, cut where a batch's JSON would pass `limit` bytes."""
+        out: list[list[TraceEvent]] = []
+        size = 0
+        for event, n in zip(self.events, self.sizes, strict=True):
+            if not out or size + n > limit:
+                out.append([])
+                size = 0
+            out[-1].append(event)
+            size += n
+        return out
 
 
 def shift(event: TraceEvent, offset: float) -> TraceEvent:

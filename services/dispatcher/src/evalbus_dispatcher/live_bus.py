@@ -38,8 +38,9 @@ class LiveBus:
     without waiting for acknowledgements (the sealed trace in `case.executed` is the record).
 
     Each execution gets an id of its own (in every message id, so a redelivered attempt's messages
-    are not taken for duplicates of the first one's); trace events go one per message (the
-    stream's 2,000-message ring is then 2,000 events); log chunks carry their byte `offset` in the
+    are not taken for duplicates of the first one's); each call is one message (the live tee
+    bounds a trace call to 64 KiB of events and groups the marks of a run's first 0.1 s); log
+    chunks carry their byte `offset` in the
     run's whole live log, continued from the log already on the stream (`resume`)."""
 
     def __init__(self, publisher: Publisher, req: CaseRequested) -> None:
@@ -112,20 +113,23 @@ class LiveBus:
         if self._by_runner:
             return
         req = self._req
-        for event in events:
-            await self._pub.publish_nowait(
-                LiveTrace(
-                    batch_id=req.batch_id,
-                    case_id=req.case_id,
-                    run_id=self._run_id,
-                    attempt=req.attempt,
-                    execution=self._execution,
-                    seq=self._next("trace"),
-                    events=(event,),
-                )
+        if not events:
+            return
+        await self._pub.publish_nowait(
+            LiveTrace(
+                batch_id=req.batch_id,
+                case_id=req.case_id,
+                run_id=self._run_id,
+                attempt=req.attempt,
+                execution=self._execution,
+                seq=self._next("trace"),
+                events=tuple(events),
             )
+        )
 
-    async def infra(self, mark: Infra) -> None:
+    async def infra(self, marks: Sequence[Infra]) -> None:
+        if not marks:
+            return
         req = self._req
         await self._pub.publish_nowait(
             InfraMark(
@@ -135,7 +139,8 @@ class LiveBus:
                 attempt=req.attempt,
                 execution=self._execution,
                 seq=self._next("infra"),
-                mark=mark,
+                mark=marks[0],
+                more=tuple(marks[1:]),
             )
         )
 

@@ -33,7 +33,10 @@ async def _marks(js: JetStreamContext, run_id: str) -> list[MarkSeen]:
     for stored in await read_live(js, subject, start_seq=None, until_seq=last.seq):
         event = stored.event
         if isinstance(event, InfraMark):
-            out.append(MarkSeen(mark=event.mark, execution=event.execution, attempt=event.attempt, at=event.ts))
+            out.extend(
+                MarkSeen(mark=mark, execution=event.execution, attempt=event.attempt, at=event.ts)
+                for mark in event.marks
+            )
     return out
 
 

@@ -74,9 +74,9 @@ def log_tail(run_id: str, status: RunStatus, chunks: Sequence[Stored], *, skip: 
 
 
 def trace_events(event: LiveEvent) -> tuple[TraceEvent, ...]:
-    """The trace events one LIVE message holds (a mark is one; a log chunk none)."""
+    """The trace events one LIVE message holds (its marks, its events; a log chunk none)."""
     if isinstance(event, InfraMark):
-        return (event.mark,)
+        return event.marks
     if isinstance(event, LiveTrace):
         return event.events
     return ()
@@ -118,8 +118,11 @@ def log_frames(stored: Stored, *, skip: int = 0) -> list[bytes]:
 
 
 def trace_frames(stored: Stored) -> list[bytes]:
-    """One `trace` frame per trace event of a mark or trace message (all with its sequence)."""
-    return [frame(encode(e), event="trace", event_id=stored.seq) for e in trace_events(stored.event)]
+    """One `trace` frame per trace event of a mark or trace message; the last carries its sequence
+    (a client cut off between the frames of one message resumes before it, not after)."""
+    events = trace_events(stored.event)
+    last = len(events) - 1
+    return [frame(encode(e), event="trace", event_id=stored.seq if i == last else None) for i, e in enumerate(events)]
 
 
 def end_frame(run_id: str, status: RunStatus) -> bytes:
