@@ -30,7 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -83,11 +83,8 @@ CLUSTERS = ("kubernetes", "nomad", "docker")
 BACKENDS = ("local", *CLUSTERS)
 
 
-class _Marks:
-    """A live sink keeping only the infra marks, with when they arrived."""
-
-    def __init__(self) -> None:
-        self.at: dict[str, float] = {}
+class _Quiet:
+    """A live sink dropping everything (the phases are read off the sealed marks' own times)."""
 
     async def log(self, stream: Any, text: str) -> None:
         return None
@@ -95,9 +92,8 @@ class _Marks:
     async def trace(self, events: Any) -> None:
         return None
 
-    async def infra(self, mark: Infra) -> None:
-        if mark.event is not None:
-            self.at.setdefault(mark.event, time.monotonic())
+    async def infra(self, marks: Sequence[Infra]) -> None:
+        return None
 
     async def placement(self, sample: PlacementSample) -> None:
         return None
@@ -171,7 +167,7 @@ async def backend_named(name: str, poll_s: float, root: Path) -> AsyncIterator[B
 
 async def one_case(backend: Backend, req: CaseRequested) -> dict[str, Any]:
     """Run one case; its phases in seconds."""
-    sink = _Marks()
+    sink = _Quiet()
 
     async def on_sandbox(handle: SandboxHandle, mark: MarkFn, _declared: Declared) -> Any:
         if isinstance(handle, Observed):
@@ -182,16 +178,18 @@ async def one_case(backend: Backend, req: CaseRequested) -> dict[str, Any]:
 
         return detach
 
-    t0 = time.monotonic()
     done = await execute_case(req, backend, live=sink, on_release=lambda: None, on_sandbox=on_sandbox)
     scores = done.result.scores
     ok = done.status == "succeeded" and bool(scores) and isinstance(scores[0], Measured) and scores[0].passed
-    at = sink.at
+    at: dict[str, float] = {}  # each mark's first time on the run's clock, as sealed
+    for event in done.result.trace:
+        if isinstance(event, Infra) and event.event is not None:
+            at.setdefault(event.event, event.t)
     timings = done.result.timings
     return {
         "ok": ok,
         "failure": None if done.result.failure is None else done.result.failure.message,
-        "submit_to_running_s": at.get("placed", float("nan")) - at.get("started", t0),
+        "submit_to_running_s": at.get("placed", float("nan")) - at.get("started", 0.0),
         "running_to_exited_s": at.get("exited", float("nan")) - at.get("placed", float("nan")),
         "exited_to_released_s": at.get("released", float("nan")) - at.get("exited", float("nan")),
         "hold_s": timings.sandbox_seconds if timings is not None else float("nan"),

@@ -154,7 +154,7 @@ class _Quiet:
     async def trace(self, events: Sequence[TraceEvent]) -> None:
         return None
 
-    async def infra(self, mark: Infra) -> None:
+    async def infra(self, marks: Sequence[Infra]) -> None:
         return None
 
     async def placement(self, sample: PlacementSample) -> None:

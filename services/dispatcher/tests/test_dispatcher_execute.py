@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -527,7 +527,7 @@ async def test_cancellation_still_releases_the_sandbox(
         async def trace(self, events: object) -> None:
             return None
 
-        async def infra(self, mark: Infra) -> None:
+        async def infra(self, marks: Sequence[Infra]) -> None:
             return None
 
         async def placement(self, sample: object) -> None:
@@ -559,7 +559,7 @@ async def test_a_failing_live_sink_never_fails_the_case(
             calls.append("trace")
             raise ConnectionError("bus down")
 
-        async def infra(self, mark: Infra) -> None:
+        async def infra(self, marks: Sequence[Infra]) -> None:
             calls.append("infra")
             raise ConnectionError("bus down")
 
