@@ -224,3 +224,47 @@ async def test_exhausted_deliveries_without_answer_are_dead_lettered_from_the_ad
     finally:
         await listener.stop(1)
         await raw.close()
+
+
+async def test_a_handler_that_ignores_its_cancellation_does_not_hang_the_stop(
+    bus: tuple[NatsClient, Publisher], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Past the drain timeout `stop` cancels what is in flight and waits `CANCEL_GRACE_S` for it,
+    no longer: a handler that swallows its cancellation is logged with where it is stuck, and the
+    message goes back to the stream (never acked). Before, the wait was unbounded (a stuck handler
+    hung the service's stop until the test's own timeout)."""
+    from evalbus_runtime import ConsumerLoop, ServiceMetrics, Stage
+    from evalbus_runtime import consumer as consumer_module
+    from evalbus_runtime.bus import ensure_consumer
+
+    monkeypatch.setattr(consumer_module, "CANCEL_GRACE_S", 0.5)
+    nc, pub = bus
+    batch = _batch()
+    consumer = make_consumer(batch)
+    await ensure_consumer(nc.jetstream(), consumer)
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def stubborn(event: object, delivery: object) -> None:
+        entered.set()
+        while not release.is_set():
+            try:
+                await release.wait()
+            except asyncio.CancelledError:
+                continue  # ignores it: the bug `stop` must survive
+
+    loop = ConsumerLoop(
+        nc, pub, Stage(consumer=consumer, handler=stubborn, concurrency=1), service="stubborn",
+        metrics=ServiceMetrics("stubborn"),
+    )  # fmt: skip
+    await loop.start()
+    try:
+        await pub.publish_event(request(batch, "c1"))
+        await asyncio.wait_for(entered.wait(), 20)
+        finished = await asyncio.wait_for(loop.stop(0.2), 10)  # bounded: 0.2 s drain + 0.5 s grace
+        assert finished is False
+        assert any(
+            "did not stop within 0.5s of its cancellation; it waits at" in r.getMessage() for r in caplog.records
+        )
+        assert "stubborn" in "".join(r.getMessage() for r in caplog.records)  # where it is stuck
+    finally:
+        release.set()

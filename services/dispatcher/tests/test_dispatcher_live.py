@@ -32,6 +32,7 @@ from evalbus_contracts import (
 from evalbus_contracts.live_text import chunks, split_utf8
 from evalbus_contracts.subjects import live_filter
 from evalbus_dispatcher import LiveSink, LocalBackend, OutputStream, execute_case
+from evalbus_dispatcher.execute import Queued
 from evalbus_dispatcher.live import LiveTee
 from evalbus_dispatcher.live_bus import LiveBus
 from evalbus_runtime import Publisher, connect, ensure_topology
@@ -264,17 +265,16 @@ async def test_the_sealed_trace_keeps_what_the_live_trace_drops(
     assert logs == "plain output\n"
 
 
-async def test_a_retry_waits_its_backoff_under_a_waiting_mark(
+async def test_a_retry_that_waited_its_backoff_on_the_bus_is_sealed_with_a_waiting_mark(
     backend: LocalBackend, script: Script, make_request: MakeRequest, live: LiveSink, live_records: list[LiveRecord]
 ) -> None:
     req = make_request(script("print('again')"), attempt=2)
-    executed = await execute_case(req, backend, live=live, on_release=lambda: None, backoff_s=0.05)
+    queued = Queued(waited_s=1.3, delivery=2, attempt=2, backoff_s=1.0)  # delivery 1 was put back
+    executed = await execute_case(req, backend, live=live, on_release=lambda: None, queued=queued)
     sealed = [e.event for e in executed.result.trace if isinstance(e, Infra)]
-    assert sealed == ["accepted", "waiting", "started", "placed", "exited", "released"]
+    assert sealed == ["waiting", "accepted", "started", "placed", "exited", "released"]
     waiting = next(e for e in executed.result.trace if isinstance(e, Infra) and e.event == "waiting")
-    assert "attempt 2 waits 0.05s" in waiting.message
-    started = next(e for e in executed.result.trace if isinstance(e, Infra) and e.event == "started")
-    assert started.t - waiting.t >= 0.05
+    assert waiting.message.startswith("attempt 2 waited 1s after a retryable failure (stored 1.3s ago")
     assert [rec[1].event for rec in live_records if rec[0] == "infra"] == sealed
 
 

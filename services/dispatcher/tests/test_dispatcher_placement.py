@@ -135,6 +135,13 @@ def test_queue_waits_and_redeliveries_are_worth_a_mark() -> None:
     redelivered = Queued(waited_s=40.0, delivery=2).reason()
     assert redelivered is not None
     assert redelivered.startswith("delivery 2: stored 40.0s ago; an earlier delivery was not acknowledged")
+    backed_off = Queued(waited_s=2.5, delivery=2, attempt=3, backoff_s=2.0).reason()
+    assert backed_off == (
+        "attempt 3 waited 2s after a retryable failure (stored 2.5s ago; on the bus meanwhile, no compute slot held)"
+    )
+    crashed_after = Queued(waited_s=40.0, delivery=3, attempt=3, backoff_s=2.0).reason()
+    assert crashed_after is not None
+    assert crashed_after.startswith("delivery 3: stored 40.0s ago; an earlier delivery was not acknowledged")
 
 
 async def test_a_long_queue_wait_is_a_sealed_waiting_mark(

@@ -49,6 +49,10 @@ from evalbus_runtime.tracing import message_span
 
 log = logging.getLogger("evalbus.consumer")
 
+CANCEL_GRACE_S = 10.0
+"""How long `stop` waits for cancelled handlers to end before it gives up on them (and logs where
+each one is stuck)."""
+
 Handler = Callable[[Any, "Delivery"], Awaitable[Sequence[EventBase] | None]]
 """A stage: an event and its delivery → the events to publish (None or empty: nothing)."""
 
@@ -209,7 +213,15 @@ class ConsumerLoop:
                 finished = False
                 for task in list(self._tasks):
                     task.cancel()
-                await asyncio.gather(*self._tasks, return_exceptions=True)
+                # bounded: a handler that ignores its cancellation must not hang the service's stop
+                _, stuck = await asyncio.wait(list(self._tasks), timeout=CANCEL_GRACE_S)
+                for task in stuck:
+                    log.error(
+                        "%s: a handler did not stop within %gs of its cancellation; it waits at:\n%s",
+                        self._label,
+                        CANCEL_GRACE_S,
+                        awaiting_at(task),
+                    )
         if self._ticker is not None:
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -508,6 +520,19 @@ class ConsumerLoop:
 
 _LETTER_ROOM = 16 * 1024
 """Bytes of a dead letter kept for its reason, headers and envelope."""
+
+
+def awaiting_at(task: asyncio.Task[Any]) -> str:
+    """Where a suspended task waits: its chain of awaits, outermost first, one frame per line
+    (`Task.get_stack` gives only the outermost frame of a suspended coroutine)."""
+    lines: list[str] = []
+    coro: Any = task.get_coro()
+    while coro is not None and len(lines) < 64:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return "\n".join(lines) or "  (no frames)"
 
 
 def _letter_payload(data: bytes, nc: NatsClient) -> str:

@@ -1,7 +1,7 @@
 """Executing one case on a backend, releasing the sandbox at its last use.
 
-Order: (a long wait in the queue or a redelivery: mark `waiting` saying so) → mark `accepted` → (a
-retry: mark `waiting` with the reason, wait its backoff) → provision → mark `started` → run the harness (mark
+Order: (a long wait in the queue, a retry's backoff or a redelivery: mark `waiting` saying so) → mark
+`accepted` → provision → mark `started` → run the harness (mark
 `placed` once its process exists, its output teed live, placement samples while it runs, mark
 `exited` saying how it ended) → snapshot → compute graders → store the declared artifact files
 → **release** (idempotent, also in `finally`) → `on_release()` → mark `released` → store large
@@ -24,7 +24,6 @@ are shifted from the harness's clock (seconds since it started) onto it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import deque
@@ -83,16 +82,28 @@ class Queued:
     waited_s: float
     """Seconds between JetStream storing the request and this dispatcher taking it."""
     delivery: int = 1
-    """Delivery number (above 1: an earlier delivery was not acknowledged)."""
+    """Delivery number (above 1: an earlier delivery was not acknowledged, or was put back for the
+    retry's backoff)."""
     lane: str = DEFAULT_LANE
     """The lane it waited in."""
+    attempt: int = 1
+    """The request's attempt."""
+    backoff_s: float = 0.0
+    """A retry's backoff: its first delivery was put back on the bus for that long (no compute slot
+    held meanwhile), so that delivery is no sign of a failed dispatcher."""
 
     def reason(self) -> str | None:
         """The `waiting` mark's words, or None when the wait is not worth a mark."""
-        if self.delivery > 1:
+        put_back = 1 if self.backoff_s > 0 else 0
+        if self.delivery - put_back > 1:
             return (
                 f"delivery {self.delivery}: stored {self.waited_s:.1f}s ago; an earlier delivery was not "
                 "acknowledged (the dispatcher that held it stopped or failed)"
+            )
+        if put_back:
+            return (
+                f"attempt {self.attempt} waited {self.backoff_s:g}s after a retryable failure (stored "
+                f"{self.waited_s:.1f}s ago; on the bus meanwhile, no compute slot held)"
             )
         if self.waited_s >= QUEUE_MARK_S:
             if self.lane != DEFAULT_LANE:
@@ -108,7 +119,6 @@ async def execute_case(
     live: LiveSink,
     on_release: Callable[[], None],
     trace_puller: TracePuller | None = None,
-    backoff_s: float = 0.0,
     dispatcher: str | None = None,
     queued: Queued | None = None,
     sample_interval_s: float = SAMPLE_INTERVAL_S,
@@ -121,7 +131,6 @@ async def execute_case(
     sandbox could be provisioned, right after that failure), so the caller can take the next
     case while this one finishes. `trace_puller` is needed for `job` collect mode with a
     platform trace; without one the collection fails (retryably) and the scores are kept.
-    `backoff_s` is how long a retry waits before provisioning (marked `waiting`, with the reason).
     `dispatcher` names the replica in the marks and samples; `queued` says how the request reached
     it (a long wait or a redelivery is marked `waiting`); the harness is sampled every
     `sample_interval_s`. `on_sandbox(handle, mark, declared)` is awaited once the sandbox exists
@@ -139,7 +148,7 @@ async def execute_case(
     execution.sample_interval_s = sample_interval_s
     execution.on_sandbox = on_sandbox
     execution.objects = objects
-    executed = await execution.run(backoff_s)
+    executed = await execution.run()
     return executed if objects is None else await objects.offload(executed)
 
 
@@ -227,13 +236,13 @@ class _Execution:
     def _t(self) -> float:
         return time.monotonic() - self._t0
 
-    async def run(self, backoff_s: float) -> CaseExecuted:
+    async def run(self) -> CaseExecuted:
         try:
-            return await self._run(backoff_s)
+            return await self._run()
         finally:
             self._signal_release()  # exactly once, whatever happened (cancellation included)
 
-    async def _run(self, backoff_s: float) -> CaseExecuted:
+    async def _run(self) -> CaseExecuted:
         async with LiveTee(self._live) as tee:
             self._tee = tee
 
@@ -250,10 +259,6 @@ class _Execution:
                 await self._mark(tee, "waiting", queue_reason)
             who = f"dispatcher {self.dispatcher}" if self.dispatcher else "a dispatcher"
             await self._mark(tee, "accepted", f"accepted by {who}")
-            if backoff_s > 0:
-                reason = f"attempt {self._req.attempt} waits {backoff_s:g}s after a retryable failure"
-                await self._mark(tee, "waiting", reason)
-                await asyncio.sleep(backoff_s)
             self._provisioned_mono = time.monotonic()
             try:
                 handle = await self._backend.provision(self._req)

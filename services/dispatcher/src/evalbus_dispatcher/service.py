@@ -22,6 +22,7 @@ from evalbus_contracts import (
     DEFAULT_LANE,
     BatchRequested,
     CaseRequested,
+    Infra,
     lane_consumer,
     lane_problem,
     subjects,
@@ -48,6 +49,7 @@ from evalbus_dispatcher.trace_puller import PlatformTracePuller
 from evalbus_runtime import (
     Delivery,
     Poison,
+    Retry,
     SecretStore,
     Service,
     ServiceSettings,
@@ -90,7 +92,8 @@ class DispatcherSettings(ServiceSettings):
     room_interval_s: float = ROOM_INTERVAL_S
     """Seconds between two reads of the cluster's room."""
     retry_backoff_s: float = 1.0
-    """Delay before attempt n+1 of a run: n × this."""
+    """Delay before attempt n+1 of a run: n × this (its request waits on the bus, put back with that
+    delay: no compute slot is held while it waits)."""
     workdir_root: str | None = None
     """Where case workdirs are made (default: the system temp folder)."""
     replica_id: str | None = None
@@ -388,6 +391,12 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         reason = await cancels.reason(service.js, req.batch_id)
         if reason is not None:
             return [cancelled_execution(req, reason)]
+        backoff = settings.retry_backoff_s * (req.attempt - 1)
+        if backoff > 0 and delivery.num_delivered == 1:
+            # A retry waits its backoff on the bus, not in a compute slot: put back, redelivered then.
+            words = f"attempt {req.attempt} waits {backoff:g}s after a retryable failure"
+            await LiveBus(service.publisher, req).infra(Infra(scope="placement", event="waiting", message=words, t=0.0))
+            raise Retry(words, delay_s=backoff)
         live = LiveBus(service.publisher, req)
         if req.attempt > 1 or delivery.num_delivered > 1:
             await live.resume(service.js)
@@ -416,9 +425,14 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
                     live=live,
                     on_release=released,
                     trace_puller=puller,
-                    backoff_s=settings.retry_backoff_s * (req.attempt - 1),
                     dispatcher=presence.id,
-                    queued=Queued(waited_s=waited, delivery=delivery.num_delivered, lane=req.lane),
+                    queued=Queued(
+                        waited_s=waited,
+                        delivery=delivery.num_delivered,
+                        lane=req.lane,
+                        attempt=req.attempt,
+                        backoff_s=backoff,
+                    ),
                     sample_interval_s=settings.sample_interval_s,
                     on_sandbox=lambda handle, mark, declared: controls.attach(
                         run_id, observed(handle, mark), mark, screen=lambda: capture(screens.session, handle, declared)
