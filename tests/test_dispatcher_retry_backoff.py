@@ -5,14 +5,13 @@ the local backend."""
 
 from __future__ import annotations
 
-import contextlib
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import nats
 import pytest
 from nats.aio.msg import Msg
+from tests.test_deploy_nats_live import running
 
 from evalbus.infra.nats import NatsServer
 from evalbus.testing.pipeline import eventually
@@ -33,15 +32,6 @@ from evalbus_runtime import Publisher, Service
 pytestmark = [pytest.mark.integration]
 
 BACKOFF_S = 4.0
-
-
-@contextlib.asynccontextmanager
-async def running(service: Service) -> AsyncIterator[Service]:
-    await service.start()
-    try:
-        yield service
-    finally:
-        await service.stop()
 
 
 def request(batch: str, case: str, attempt: int) -> CaseRequested:
@@ -92,7 +82,12 @@ async def test_a_retry_waits_on_the_bus_and_its_slot_runs_another_case_meanwhile
             async def both() -> bool:
                 return len(order) == 2
 
-            await eventually(both, timeout_s=60, what="both cases executed")
+            def seen() -> str:
+                executed = [(e.case_id, e.attempt, e.status) for e in order]
+                live = [(m.case_id, [mark.event for mark in m.marks]) for m in marks]
+                return f"executed: {executed}; live marks: {live}"
+
+            await eventually(both, timeout_s=60, what="both cases executed", diagnostics=seen)
             await publisher.stop()
     finally:
         await nc.close()
@@ -107,6 +102,8 @@ async def test_a_retry_waits_on_the_bus_and_its_slot_runs_another_case_meanwhile
     assert waiting[0].message.startswith(f"attempt 2 waited {BACKOFF_S:g}s after a retryable failure")
     assert "no compute slot held" in waiting[0].message
     # the live view said so while it waited: the put-back delivery's mark, then the run's own
-    live_waiting = [m.mark.message for m in marks if m.run_id == retried.run_id and m.mark.event == "waiting"]
+    live_waiting = [
+        mark.message for m in marks if m.run_id == retried.run_id for mark in m.marks if mark.event == "waiting"
+    ]
     assert live_waiting[0] == f"attempt 2 waits {BACKOFF_S:g}s after a retryable failure"
     assert len(live_waiting) == 2

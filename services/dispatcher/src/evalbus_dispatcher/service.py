@@ -395,7 +395,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         if backoff > 0 and delivery.num_delivered == 1:
             # A retry waits its backoff on the bus, not in a compute slot: put back, redelivered then.
             words = f"attempt {req.attempt} waits {backoff:g}s after a retryable failure"
-            await LiveBus(service.publisher, req).infra(Infra(scope="placement", event="waiting", message=words, t=0.0))
+            await LiveBus(service.publisher, req).infra([Infra(scope="placement", event="waiting", message=words)])
             raise Retry(words, delay_s=backoff)
         live = LiveBus(service.publisher, req)
         if req.attempt > 1 or delivery.num_delivered > 1:
