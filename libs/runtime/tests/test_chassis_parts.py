@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 from nats.js.errors import NotFoundError
 
@@ -177,3 +178,48 @@ async def test_a_stream_reported_missing_for_a_moment_is_asked_for_again(fresh_n
             await existing_stream(js, f"{name}X", settle_s=0.2)
     finally:
         await nc.close()
+
+
+async def test_a_failed_start_stops_what_it_started(fresh_nats: NatsServer) -> None:
+    """A start hook that raises: `start` raises it, and before that stops what was started — the
+    stop hooks run, the HTTP port is closed, the NATS connection is closed. Before, all of it was
+    left running (a test that retried a failed start leaked a connection and a port each time)."""
+    service = Service(ServiceSettings(service="broken-start", nats_url=fresh_nats.url))
+    stopped: list[str] = []
+
+    async def fine(_: Service) -> None:
+        return None
+
+    async def boom(_: Service) -> None:
+        raise RuntimeError("cannot reach the model provider")
+
+    async def stop(_: Service) -> None:
+        stopped.append("stop hook")
+
+    service.on_start(fine)
+    service.on_start(boom)
+    service.on_stop(stop)
+    with pytest.raises(RuntimeError, match="cannot reach the model provider"):
+        await service.start()
+    assert stopped == ["stop hook"]
+    assert service.nc.is_closed
+    assert service.http_port is not None
+    async with aiohttp.ClientSession() as http:
+        with pytest.raises(aiohttp.ClientConnectionError):
+            async with http.get(f"http://127.0.0.1:{service.http_port}/healthz"):
+                pass
+
+    # A start that fails before any hook ran (its consumer's stream does not exist) runs no stop
+    # hook: there is nothing of theirs to stop.
+    early = Service(ServiceSettings(service="broken-early", nats_url=fresh_nats.url, create_topology=False))
+
+    async def handle(event: CaseRequested, _: Delivery) -> Sequence[EventBase]:
+        return []
+
+    consumer = msgspec.structs.replace(make_consumer("b-early"), stream="NO_SUCH_STREAM")
+    early.add_stage(Stage(consumer=consumer, handler=handle, accepts=(CaseRequested,)))
+    early.on_stop(stop)
+    with pytest.raises(NotFoundError):
+        await early.start()
+    assert stopped == ["stop hook"]
+    assert early.nc.is_closed

@@ -150,8 +150,6 @@ class BatchFinalized(_Event, frozen=True, kw_only=True, tag="batch.finalized"):
 
 
 class _CaseEvent(_Event, frozen=True, kw_only=True):
-    STAGE: ClassVar[str] = ""
-
     def subject(self) -> str:
         return s.case_subject(self.type, _req(self.batch_id, "batch id"), _req(self.case_id, "case id"))
 

@@ -191,11 +191,3 @@ async def ensure_topology(
     for consumer in consumers:
         await ensure_consumer(js, consumer)
 
-
-async def stream_exists(js: JetStreamContext, name: str) -> bool:
-    """Whether a stream exists."""
-    try:
-        await js.stream_info(name)
-    except NotFoundError:
-        return False
-    return True

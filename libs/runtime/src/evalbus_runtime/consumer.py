@@ -108,7 +108,6 @@ class Delivery:
     _msg: Msg
     _on_release: Callable[[], None]
     _released: bool = False
-    started: float = field(default_factory=time.monotonic)
     stored_ns: int = 0
     """When JetStream stored the message, Unix nanoseconds (0 when the ack subject does not say)."""
 
@@ -177,6 +176,8 @@ class ConsumerLoop:
         self._sub: Subscription | None = None
         self._adv_sub: Subscription | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._refills: set[asyncio.Future[None]] = set()
+        """Pull requests being sent (kept: the event loop holds only weak references to tasks)."""
         self._beat: dict[int, tuple[Msg, float]] = {}
         self._ticker: asyncio.Task[None] | None = None
         self._refill_scheduled = False
@@ -253,6 +254,8 @@ class ConsumerLoop:
     def _start_refill(self) -> None:
         self._refill_scheduled = False
         task = asyncio.ensure_future(self._refill())
+        self._refills.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self._refills.discard)
         task.add_done_callback(_log_failure)
 
     async def _refill(self) -> None:

@@ -63,6 +63,7 @@ class Service:
         self._runner: web.AppRunner | None = None
         self._stop = asyncio.Event()
         self._started = asyncio.Event()
+        self._hooks_started = False
         self.http_port: int | None = None
         self._faults = Faults.from_setting(settings.fault_kill)
 
@@ -111,7 +112,18 @@ class Service:
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Connect, create streams and consumers, start HTTP and the consumer loops."""
+        """Connect, create streams and consumers, start HTTP and the consumer loops. When any step
+        fails (or start is cancelled), what was started is stopped again before the error is
+        raised: no connection, port, consumer loop or hook's resources left behind."""
+        try:
+            await self._start()
+        except BaseException:
+            log.warning("start failed; stopping what was started", exc_info=True)
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.stop())
+            raise
+
+    async def _start(self) -> None:
         self._nc = await connect(
             self.settings.nats_url,
             f"evalbus-{self.name}",
@@ -135,6 +147,7 @@ class Service:
         if sockets:
             self.http_port = int(sockets[0].getsockname()[1])
         for hook in self._on_start:
+            self._hooks_started = True  # from now on the stop hooks have something to stop
             await hook(self)
         for stage in self._stages:
             loop = ConsumerLoop(
@@ -154,18 +167,21 @@ class Service:
         if not all(r is True for r in results):
             log.warning("shutdown timeout: unfinished messages will be redelivered")
         self._loops.clear()
-        for hook in reversed(self._on_stop):
-            try:
-                await hook(self)
-            except Exception:
-                log.exception("stop hook failed")
+        if self._hooks_started:
+            self._hooks_started = False
+            for hook in reversed(self._on_stop):
+                try:
+                    await hook(self)
+                except Exception:
+                    log.exception("stop hook failed")
         if self._publisher is not None:
             await self._publisher.stop()
         if self._nc is not None and not self._nc.is_closed:
             with contextlib.suppress(Exception):
                 await self._nc.drain()
         if self._runner is not None:
-            await self._runner.cleanup()
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
         log.info("stopped")
 
     def request_stop(self) -> None:
