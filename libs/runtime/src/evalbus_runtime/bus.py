@@ -190,4 +190,3 @@ async def ensure_topology(
         await ensure_object_bucket(js, object_bucket, replicas)
     for consumer in consumers:
         await ensure_consumer(js, consumer)
-
