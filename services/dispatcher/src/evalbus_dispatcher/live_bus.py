@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, TypedDict
 
 import nats.errors
 import nats.js.errors
@@ -31,6 +31,14 @@ from evalbus_dispatcher.execute import run_id_of
 from evalbus_runtime import Publisher
 
 log = logging.getLogger("evalbus.dispatcher")
+
+
+class _Ids(TypedDict):
+    batch_id: str | None
+    case_id: str | None
+    run_id: str
+    attempt: int
+    execution: str
 
 
 class LiveBus:
@@ -73,6 +81,14 @@ class LiveBus:
         relaying them too would show every line twice."""
         self._by_runner = True
 
+    def _ids(self) -> _Ids:
+        """Who every message of this execution is about."""
+        req = self._req
+        return _Ids(
+            batch_id=req.batch_id, case_id=req.case_id, run_id=self._run_id, attempt=req.attempt,
+            execution=self._execution,
+        )  # fmt: skip
+
     def _next(self, channel: str) -> int:
         self._seq[channel] += 1
         return self._seq[channel]
@@ -94,13 +110,8 @@ class LiveBus:
     async def log(self, stream: Literal["stdout", "stderr"], text: str) -> None:
         if self._by_runner:
             return
-        req = self._req
         chunk = LiveLog(
-            batch_id=req.batch_id,
-            case_id=req.case_id,
-            run_id=self._run_id,
-            attempt=req.attempt,
-            execution=self._execution,
+            **self._ids(),
             seq=self._next(stream),
             stream=stream,
             text=text,
@@ -110,18 +121,11 @@ class LiveBus:
         await self._pub.publish_nowait(chunk)
 
     async def trace(self, events: Sequence[TraceEvent]) -> None:
-        if self._by_runner:
-            return
-        req = self._req
-        if not events:
+        if self._by_runner or not events:
             return
         await self._pub.publish_nowait(
             LiveTrace(
-                batch_id=req.batch_id,
-                case_id=req.case_id,
-                run_id=self._run_id,
-                attempt=req.attempt,
-                execution=self._execution,
+                **self._ids(),
                 seq=self._next("trace"),
                 events=tuple(events),
             )
@@ -130,14 +134,9 @@ class LiveBus:
     async def infra(self, marks: Sequence[Infra]) -> None:
         if not marks:
             return
-        req = self._req
         await self._pub.publish_nowait(
             InfraMark(
-                batch_id=req.batch_id,
-                case_id=req.case_id,
-                run_id=self._run_id,
-                attempt=req.attempt,
-                execution=self._execution,
+                **self._ids(),
                 seq=self._next("infra"),
                 mark=marks[0],
                 more=tuple(marks[1:]),
@@ -145,14 +144,9 @@ class LiveBus:
         )
 
     async def placement(self, sample: PlacementSample) -> None:
-        req = self._req
         await self._pub.publish_nowait(
             LivePlacement(
-                batch_id=req.batch_id,
-                case_id=req.case_id,
-                run_id=self._run_id,
-                attempt=req.attempt,
-                execution=self._execution,
+                **self._ids(),
                 seq=self._next("placement"),
                 sample=sample,
             )
