@@ -45,6 +45,7 @@ from evalbus_runtime.logs import batch_id_var, run_id_var
 from evalbus_runtime.metrics import ServiceMetrics
 from evalbus_runtime.publisher import Publisher
 from evalbus_runtime.slots import SlotPool
+from evalbus_runtime.tasks import awaiting_at, cancel_and_wait
 from evalbus_runtime.tracing import message_span
 
 log = logging.getLogger("evalbus.consumer")
@@ -224,9 +225,7 @@ class ConsumerLoop:
                         awaiting_at(task),
                     )
         if self._ticker is not None:
-            self._ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._ticker
+            await cancel_and_wait(self._ticker)
         for sub in (self._sub, self._adv_sub):
             if sub is not None:
                 with contextlib.suppress(Exception):
@@ -523,19 +522,6 @@ class ConsumerLoop:
 
 _LETTER_ROOM = 16 * 1024
 """Bytes of a dead letter kept for its reason, headers and envelope."""
-
-
-def awaiting_at(task: asyncio.Task[Any]) -> str:
-    """Where a suspended task waits: its chain of awaits, outermost first, one frame per line
-    (`Task.get_stack` gives only the outermost frame of a suspended coroutine)."""
-    lines: list[str] = []
-    coro: Any = task.get_coro()
-    while coro is not None and len(lines) < 64:
-        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
-        if frame is not None:
-            lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
-        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
-    return "\n".join(lines) or "  (no frames)"
 
 
 def _letter_payload(data: bytes, nc: NatsClient) -> str:

@@ -18,13 +18,13 @@ sized from the cluster's room.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from evalbus_contracts.specs import ComputeSpec
 from evalbus_runtime import SlotPool
+from evalbus_runtime.tasks import cancel_and_wait
 
 log = logging.getLogger("evalbus.dispatcher.capacity")
 
@@ -89,9 +89,7 @@ class ClusterRoom:
         """Stop reading the room."""
         if self._task is not None:
             task, self._task = self._task, None
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
 
     async def _loop(self) -> None:
         while True:

@@ -10,7 +10,6 @@ The words of the `exited` mark are built here too (pure)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import time
@@ -20,6 +19,7 @@ import msgspec
 
 from evalbus_contracts import PlacementSample, utcnow
 from evalbus_dispatcher.backends.base import HarnessRun, UnitUsage
+from evalbus_runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +119,7 @@ class Sampler:
         sample when it did not end normally (`run` None: an error or a cancellation)."""
         if self._task is not None:
             task, self._task = self._task, None
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         if self._spawned is None or run is None:
             return self.last
         sample = msgspec.structs.replace(

@@ -20,6 +20,7 @@ from nats.js.kv import KeyValue
 
 from evalbus_contracts import DEFAULT_LANE, DispatcherStatus, encode, utcnow
 from evalbus_contracts.streams import DISPATCHERS
+from evalbus_runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +118,7 @@ class Presence:
         """Stop writing and delete the status (the replica is gone at once, not after it ages out)."""
         if self._task is not None:
             task, self._task = self._task, None
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         if self._kv is not None:
             with contextlib.suppress(nats.errors.Error):
                 await self._kv.delete(status_key(self.id))

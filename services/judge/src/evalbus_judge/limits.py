@@ -55,6 +55,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from evalbus_contracts.streams import KvDef
 from evalbus_runtime.bus import open_bucket
+from evalbus_runtime.tasks import cancel_and_wait
 
 log = logging.getLogger("evalbus.judge.limits")
 
@@ -341,9 +342,7 @@ class ProviderLimiter:
             with suppress(Exception):
                 await self._watch.stop()  # type: ignore[no-untyped-call]
         if self._follower is not None:
-            self._follower.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._follower
+            await cancel_and_wait(self._follower)
 
     def _share(self) -> int:
         limits = self._limits

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -25,6 +24,7 @@ from evalbus_contracts import DeadLetter, ObservationFate, ObservationReceived, 
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import COLLECTOR_DEAD_LETTERS, COLLECTOR_OBSERVATIONS, COLLECTOR_SPANS
 from evalbus_runtime import Delivery, Retry, Service, Stage
+from evalbus_runtime.tasks import cancel_and_wait
 
 log = logging.getLogger("evalbus.collector.online")
 
@@ -111,9 +111,7 @@ class OnlineIngest:
         if self.receiver is not None:
             await self.receiver.stop()
         for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         await self.suites.stop()
 
     # ------------------------------------------------------------ stages

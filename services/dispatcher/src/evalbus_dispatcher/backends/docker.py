@@ -105,6 +105,7 @@ from evalbus_dispatcher.backends.job_spec import (
 from evalbus_dispatcher.errors import BackendError
 from evalbus_grading import ExecResult
 from evalbus_runtime.secrets import SecretStore
+from evalbus_runtime.tasks import cancel_and_wait
 
 __all__ = ["DockerBackend", "DockerSandbox", "DockerShell", "DockerTemplate", "connect_docker"]
 
@@ -629,16 +630,12 @@ class DockerSandbox:
         finally:
             await self._stop_sampler()
             if self._follower is not None:
-                self._follower.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._follower
+                await cancel_and_wait(self._follower)
             self._free_slot()
 
     async def _stop_sampler(self) -> None:
         if self._sampler is not None:
-            self._sampler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sampler
+            await cancel_and_wait(self._sampler)
 
     def _check_live(self) -> None:
         if self._released:
