@@ -369,11 +369,26 @@ async def crash_judge(p: Pipeline, run: CrashRun, gates: Gates, batch_id: str, o
 
 
 async def crash_exporter(p: Pipeline, run: CrashRun, gates: Gates, batch_id: str, otlp: OtlpReceiver) -> None:
-    """The OTLP receiver holds c05's export: kill the exporter while it waits, restart it, release."""
+    """The OTLP receiver holds c05's export: kill the exporter while it waits, restart it, release.
+
+    The kill waits until c05 is the only export in flight — every other case's `case.exported` on
+    the stream and acknowledged — so that which exports the sink may see twice is known: an export
+    killed between its request reaching the sink and its `case.exported` is sent again, and OTLP has
+    no read side to find it by (CI saw it once, for a case in the exporter's second slot)."""
     held_run = batch_run_id(batch_id, HELD_CASE)
+    others = {batch_run_id(batch_id, c) for c in CASE_IDS if c != HELD_CASE}
     gates.harness.touch()
     gates.judge.touch()
     await eventually(lambda: held_run in otlp.held, timeout_s=60, what=f"the export of {held_run} to be held")
+
+    async def only_the_held_export_in_flight() -> bool:
+        counts = await p.stream_counts(batch_id)
+        exported = {r for r, kind in counts if kind == "case.exported"}
+        return others <= exported and await ack_pending(p, EXPORTER_CASES) == 1
+
+    await eventually(
+        only_the_held_export_in_flight, timeout_s=60, what=f"every export but {held_run}'s to be done and acked"
+    )
     run.ack_pending_at_kill = await ack_pending(p, EXPORTER_CASES)
     await p.kill("exporter")
     run.evidence["killed_at"] = time.monotonic()
