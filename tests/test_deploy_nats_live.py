@@ -48,7 +48,7 @@ from evalbus_contracts import (
 )
 from evalbus_contracts.control import ExecReply, ExecRequest
 from evalbus_contracts.streams import DATASETS
-from evalbus_contracts.subjects import control_subject
+from evalbus_contracts.subjects import control_subject, hold_subject
 from evalbus_dispatcher import LocalBackend
 from evalbus_dispatcher.control import LiveControls
 from evalbus_dispatcher.fanout import fan_out_batch
@@ -264,6 +264,30 @@ async def test_a_judge_cannot_publish_case_exported(secure_nats: SecureNats) -> 
         await asyncio.wait_for(violations.event.wait(), 5)
         assert any('"case.exported.b1.c1"' in v for v in violations.seen)
         assert all("for publish to" in v for v in violations.seen)
+
+
+async def test_dispatchers_answer_and_probe_hold_subjects_with_their_own_user(secure_nats: SecureNats) -> None:
+    """The exclusive case stage (`Stage.exclusive`): a dispatcher holding a request answers on its
+    hold subject, another dispatcher's probe gets that answer — or nats-server's "no responders" for
+    a request nobody holds — and neither is a permission violation; the judge may not probe."""
+    holding = hold_subject("CASES", "dispatcher-cases", 41)
+    async with connect_as(secure_nats, "dispatcher") as (holder, holder_violations):
+
+        async def answer(msg: Msg) -> None:
+            await msg.respond(b"")
+
+        await holder.subscribe(holding, cb=answer)
+        await holder.flush()
+        async with connect_as(secure_nats, "dispatcher") as (prober, violations):
+            assert (await prober.request(holding, b"", timeout=5)).data == b""
+            with pytest.raises(nats.errors.NoRespondersError):
+                await prober.request(hold_subject("CASES", "dispatcher-cases", 42), b"", timeout=5)
+            assert violations.seen == []
+        assert holder_violations.seen == []
+    async with connect_as(secure_nats, "judge") as (judge, violations):
+        await judge.publish(holding, b"")
+        await asyncio.wait_for(violations.event.wait(), 5)
+        assert any("held.cases.dispatcher-cases.41" in v for v in violations.seen)
 
 
 async def test_the_exporter_cannot_read_batch_requested(secure_nats: SecureNats) -> None:

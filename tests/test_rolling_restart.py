@@ -41,9 +41,7 @@ STAGES = ("case.requested", "case.executed", "case.judged", "case.exported")
 @pytest.fixture(scope="module")
 async def pipeline(pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Pipeline]:
     workdir = tmp_path_factory.mktemp("rolling")
-    async with open_pipeline(
-        pg_admin_url, workdir, env={"ACK_WAIT_S": "10"}, service_env={"dispatcher": {"DISPATCHER_SLOTS": "2"}}
-    ) as p:
+    async with open_pipeline(pg_admin_url, workdir, service_env={"dispatcher": {"DISPATCHER_SLOTS": "2"}}) as p:
         await asyncio.to_thread(p.stack.start_all, [f"{s}@2" for s in SERVICES])
         yield p
 

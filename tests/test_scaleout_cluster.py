@@ -52,7 +52,7 @@ async def pipeline(pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory) 
         pg_admin_url,
         workdir,
         cluster=3,
-        env={"ACK_WAIT_S": "10", "LOG_LEVEL": "WARNING"},
+        env={"LOG_LEVEL": "WARNING"},
         service_env={"dispatcher": {"DISPATCHER_SLOTS": "4"}},
     ) as p:
         extra = [f"{s}@{k}" for s in SERVICES for k in (2, 3)]

@@ -3,7 +3,8 @@
 Configured by environment: WORKER_CONSUMER (JSON ConsumerDef), WORKER_MARKS (a file that gets one
 line per start/end of a message), WORKER_WORK_S (seconds of work per message), WORKER_MODE
 (`ok`, `fail` = always raise, `poison-on-input` = Poison when the case input is "poison"),
-WORKER_CONCURRENCY, WORKER_SETTLED (set: the stage's `settled_by` is its `case.executed`).
+WORKER_CONCURRENCY, WORKER_SETTLED (set: the stage's `settled_by` is its `case.executed`),
+WORKER_EXCLUSIVE (set: the stage is exclusive).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def build(service: Service) -> None:
             concurrency=int(os.environ.get("WORKER_CONCURRENCY", "4")),
             retry_base_s=0.1,
             settled_by=settled_by_output(CASE_EXECUTED) if os.environ.get("WORKER_SETTLED") else lambda _event: (),
+            exclusive=bool(os.environ.get("WORKER_EXCLUSIVE")),
         )
     )
 

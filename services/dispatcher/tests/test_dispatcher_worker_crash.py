@@ -90,9 +90,7 @@ async def test_dispatcher_killed_mid_batch_with_warm_workers_loses_and_doubles_n
     sandboxes = tmp_path / "sandboxes"
     sandboxes.mkdir()
     service_env = {"dispatcher": {"DISPATCHER_SLOTS": "2", "DISPATCHER_WORKDIR_ROOT": str(sandboxes)}}
-    async with open_pipeline(
-        pg_admin_url, tmp_path / "pipeline", env={"ACK_WAIT_S": "10"}, service_env=service_env
-    ) as p:
+    async with open_pipeline(pg_admin_url, tmp_path / "pipeline", service_env=service_env) as p:
         try:
             fault = f"before_ack:{DISPATCHER_CASES.durable}:case.requested:evb-*-c04"
             await p.restart("dispatcher", FAULT_KILL=fault)

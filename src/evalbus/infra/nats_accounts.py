@@ -124,12 +124,14 @@ SERVICES: tuple[ServiceUser, ...] = (
         subscribes=(
             Grant("ctl.*.*", "actions on the live sandboxes it holds (subjects.control_filter)"),
             Grant("term.*.in", "terminal keystrokes (subjects.terminal_subject)"),
+            Grant("held.CASES.dispatcher-cases.*", "the case requests it holds, answering probes (Stage.exclusive)"),
         ),
         responds=True,
         finds_streams=True,
         publish_extra=(
             Grant("$KV.dispatchers.>", "its presence in the dispatchers bucket (streams.DISPATCHERS)"),
             Grant("term.*.out", "terminal output (subjects.terminal_subject)"),
+            Grant("held.CASES.dispatcher-cases.*", "probes: is a redelivered request still held (Stage.exclusive)"),
         ),
     ),
     ServiceUser(
@@ -290,6 +292,7 @@ def lane_publish_grants(lane: str) -> list[Grant]:
         Grant("dlq.dispatcher", "its dead letters (DeadLetter)"),
         Grant("$KV.dispatchers.>", "its presence in the dispatchers bucket, with the lanes it serves"),
         Grant("term.*.out", "terminal output (subjects.terminal_subject)"),
+        Grant(f"held.CASES.{durable}.*", "probes: is a redelivered request still held (Stage.exclusive)"),
     ]
     return grants
 
@@ -304,6 +307,7 @@ def lane_subscribe_grants(lane: str) -> list[Grant]:
         ),
         Grant("ctl.*.*", "actions on the live sandboxes it holds (subjects.control_filter)"),
         Grant("term.*.in", "terminal keystrokes (subjects.terminal_subject)"),
+        Grant(f"held.CASES.{lane_durable(lane)}.*", "the requests it holds, answering probes (Stage.exclusive)"),
     ]
 
 

@@ -44,7 +44,8 @@ class ConsumerDef(msgspec.Struct, frozen=True, kw_only=True):
     ack_wait_s: float = 10.0
     """Redelivery after this long without ack or `in_progress`: how long the messages a dead
     replica held wait before another replica gets them. Healthy replicas send `in_progress` every
-    third of it, so it can be short; 10 s bounds the stall after a crash (issue 13's goal)."""
+    quarter of it, so it can be short; 10 s bounds the stall after a crash (issue 13's goal), and
+    an exclusive stage (the dispatcher's case requests) can go shorter still."""
     max_deliver: int = 5
     """Deliveries before the message is given up (and copied to the DLQ)."""
     max_ack_pending: int = 1000
@@ -110,10 +111,17 @@ DISPATCHER_BATCHES = ConsumerDef(
     durable="dispatcher-batches", stream="CASES", filter_subjects=("batch.requested.>",), max_ack_pending=64
 )
 DISPATCHER_CASES = ConsumerDef(
-    durable="dispatcher-cases", stream="CASES", filter_subjects=("case.requested.*.*",), max_ack_pending=1000
+    durable="dispatcher-cases",
+    stream="CASES",
+    filter_subjects=("case.requested.*.*",),
+    max_ack_pending=1000,
+    ack_wait_s=4.0,
 )
 """The default lane's requests (`case.requested.<batch>.<case>`, every request written before lanes
-existed); each other lane has its own consumer (`lane_consumer`)."""
+existed); each other lane has its own consumer (`lane_consumer`). Its `ack_wait` is 4 s: the cases a
+killed dispatcher held run again 2.5–4 s later. A healthy replica whose event loop stalls past it is
+not joined by a second run of the agent — the dispatcher's case stage is exclusive
+(`evalbus_runtime.Stage.exclusive`), so the redelivery is left to the replica still holding it."""
 
 
 def lane_consumer(lane: str) -> ConsumerDef:

@@ -106,6 +106,19 @@ def dlq_subject(service: str) -> str:
     return f"dlq.{encode_token(service)}"
 
 
+def hold_subject(stream: str, durable: str, stream_seq: int) -> str:
+    """`held.<stream>.<consumer>.<seq>`: while a replica handles a message of an exclusive stage
+    (`evalbus_runtime.Stage.exclusive`) it answers requests here, so a replica that gets the message
+    redelivered learns that it is still held (an answer, or no answer in time) or held by nobody
+    (nats-server's immediate "no responders": the holder's connection is gone)."""
+    return f"held.{encode_token(stream)}.{encode_token(durable)}.{stream_seq}"
+
+
+def hold_filter(stream: str, durable: str) -> str:
+    """Every hold subject of one consumer (what its replicas subscribe to and probe)."""
+    return f"held.{encode_token(stream)}.{encode_token(durable)}.*"
+
+
 def control_subject(run_id: str, action: str) -> str:
     """Request/reply subject for actions on a live sandbox (`exec`, `terminal`, `screen`): the
     dispatcher holding the run subscribes to `control_filter(run_id)` while its sandbox lives."""

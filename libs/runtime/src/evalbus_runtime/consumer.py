@@ -18,6 +18,11 @@ The handler decides delivery: return the output events (ack after they are store
 is a retry. A message that fails its last allowed delivery is dead-lettered by the loop; one that
 exhausts `max_deliver` without an answer (a worker crashed on it) is dead-lettered from the
 JetStream advisory. Long handlers are kept alive with `in_progress`.
+
+A stage whose work must never overlap (`Stage.exclusive`: the dispatcher's agent runs) answers on a
+hold subject per message while it handles it, and checks a redelivery there first: a message whose
+replica still lives is left to it, so a stalled healthy replica is never joined by a second one, and
+the stage's `ack_wait` — how long a dead replica's messages wait — can be short.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -39,6 +45,7 @@ from evalbus_contracts import DeadLetter, decode_event
 from evalbus_contracts.codec import NewerSchemaError
 from evalbus_contracts.events import EventBase, EventKey, stage_output_key
 from evalbus_contracts.streams import ConsumerDef, max_deliveries_advisory
+from evalbus_contracts.subjects import hold_subject
 from evalbus_runtime.errors import PayloadTooLargeError, Poison, PublishFailedError, Retry
 from evalbus_runtime.faults import NO_FAULTS, FaultPoint, Faults
 from evalbus_runtime.logs import batch_id_var, run_id_var
@@ -49,6 +56,13 @@ from evalbus_runtime.tasks import awaiting_at, cancel_and_wait
 from evalbus_runtime.tracing import message_span
 
 log = logging.getLogger("evalbus.consumer")
+
+HOLD_PROBE_TIMEOUT_S = 1.0
+"""How long a redelivery of an exclusive stage waits for its holder to answer (`Stage.exclusive`)."""
+RECONNECT_GRACE_S = 5.0
+"""After this replica reconnected, how long "no responders" on a hold subject is not believed: a
+restarted nats-server's clients come back one by one (every 0.5 s), and a holder not back yet has
+no subscription for a moment — its message waits for the next redelivery instead."""
 
 CANCEL_GRACE_S = 10.0
 """How long `stop` waits for cancelled handlers to end before it gives up on them (and logs where
@@ -85,6 +99,16 @@ class Stage:
     pool: SlotPool | None = None
     """Slots shared with other stages of this replica (`slots.py`): a message is handled only once
     it holds one of them as well as one of this stage's `concurrency` (None: `concurrency` alone)."""
+    exclusive: bool = False
+    """Never handle a message twice at once: while a replica handles one it answers on the message's
+    hold subject (`subjects.hold_subject`), and a redelivery is first checked there — when its
+    holder answers, or cannot answer in time (a stopped or starved process), the redelivery is left
+    to it (touched with `in_progress`, neither acked nor naked); only nats-server's "no responders"
+    (the holder's connection is gone; not believed in the few seconds after this replica
+    reconnected, while the holder may be reconnecting too) lets it run. A stall of the holder's
+    event loop past `ack_wait` then costs a delivery count, not a second run, which is what makes a
+    short `ack_wait` — a short stall after a crash — safe for a stage whose work must not overlap
+    (the dispatcher's agent runs). Costs a subscription per message handled."""
 
 
 def settled_by_output(kind: str) -> Callable[[Any], Sequence[EventKey]]:
@@ -162,7 +186,7 @@ class ConsumerLoop:
         self._handle_hist = metrics.handle_seconds.labels(stage.consumer.durable)
         self._outcomes = {
             o: metrics.messages.labels(stage.consumer.durable, o)
-            for o in ("ack", "ignored", "retry", "poison", "cancelled")
+            for o in ("ack", "ignored", "retry", "poison", "cancelled", "held")
         }
         self._published: dict[str, Any] = {}
         self._consumer = stage.consumer
@@ -182,6 +206,7 @@ class ConsumerLoop:
         self._beat: dict[int, tuple[Msg, float]] = {}
         self._ticker: asyncio.Task[None] | None = None
         self._refill_scheduled = False
+        self._reconnected_at = -RECONNECT_GRACE_S
         self._stopping = False
         self._idle = asyncio.Event()
         self._idle.set()
@@ -240,6 +265,7 @@ class ConsumerLoop:
 
     def reset_requests(self) -> None:
         """Forget outstanding pull requests (after a reconnect) and pull afresh."""
+        self._reconnected_at = time.monotonic()
         self._requests.clear()
         self._schedule_refill()
 
@@ -315,8 +341,10 @@ class ConsumerLoop:
         pool.give_back()  # tells every stage sharing it (this one included) to pull again
 
     async def _tick(self) -> None:
-        period = max(0.2, min(1.0, self._consumer.ack_wait_s / 4))
-        beat_after = self._consumer.ack_wait_s / 3
+        # A held message is touched every quarter of `ack_wait` (at most half a quarter late), so a
+        # healthy replica's event loop may stall for more than half of it before a redelivery.
+        beat_after = self._consumer.ack_wait_s / 4
+        period = max(0.2, min(1.0, beat_after / 2))
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
@@ -356,13 +384,57 @@ class ConsumerLoop:
         return True
 
     async def _handle(self, msg: Msg) -> None:
+        num_delivered, stream_seq = _ack_fields(msg.reply)
+        if not self._stage.exclusive:
+            await self._process(msg, num_delivered, stream_seq)
+            return
+        hold = await self._claim(msg, num_delivered, stream_seq)
+        if hold is None:
+            return
+        try:
+            await self._process(msg, num_delivered, stream_seq)
+        finally:
+            # only now, after the ack: a redelivery that finds nobody holding it finds the output
+            # stored (`_settled`), so it neither runs beside this handler nor after it
+            with contextlib.suppress(Exception):
+                await hold.unsubscribe()
+
+    async def _claim(self, msg: Msg, num_delivered: int, stream_seq: int) -> Subscription | None:
+        """Hold a message of an exclusive stage: its hold subscription, before it waits for any slot;
+        None when another replica still holds it (left to it, touched) or the probe could not be
+        made (put back with a delay)."""
+        try:
+            if num_delivered > 1 and await self._held_elsewhere(stream_seq, num_delivered):
+                self._outcomes["held"].inc()
+                with contextlib.suppress(Exception):
+                    await msg.in_progress()  # its holder's own touches keep it from here on
+                self._release()
+                return None
+            return await self._nc.subscribe(
+                hold_subject(self._consumer.stream, self._consumer.durable, stream_seq), cb=_answer_hold
+            )
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await msg.nak()
+            self._release()
+            raise
+        except Exception as e:
+            log.warning(
+                "%s: seq %d could not be claimed (%s: %s); put back", self._label, stream_seq, type(e).__name__, e
+            )
+            self._outcomes["retry"].inc()
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=self._stage.retry_base_s)
+            self._release()
+            return None
+
+    async def _process(self, msg: Msg, num_delivered: int, stream_seq: int) -> None:
         pool = self._pool
         if pool is not None and not await self._take_pooled(msg, pool):
             return
         started = time.monotonic()
         self._beat[id(msg)] = (msg, started)
         self._in_flight_gauge.inc()
-        num_delivered, stream_seq = _ack_fields(msg.reply)
         headers = msg.headers or {}
         delivery = Delivery(
             subject=msg.subject,
@@ -445,6 +517,41 @@ class ConsumerLoop:
             self._outcomes[outcome].inc()
             self._handle_hist.observe(time.monotonic() - started)
             delivery.release_slot()
+
+    async def _held_elsewhere(self, stream_seq: int, num_delivered: int) -> bool:
+        """Whether a replica still handles the message at `stream_seq` (a redelivery of an exclusive
+        stage): its hold subject answers, or nobody answers within `HOLD_PROBE_TIMEOUT_S` (a holder
+        that is stopped or starved still holds it); False only on "no responders", and not in the
+        `RECONNECT_GRACE_S` after this replica reconnected."""
+        subject = hold_subject(self._consumer.stream, self._consumer.durable, stream_seq)
+        try:
+            await self._nc.request(subject, b"", timeout=HOLD_PROBE_TIMEOUT_S)
+        except nats.errors.NoRespondersError:
+            since = time.monotonic() - self._reconnected_at
+            if since < RECONNECT_GRACE_S:
+                log.warning(
+                    "%s: seq %d (delivery %d) has no holder, but this replica reconnected %.1fs ago and its "
+                    "holder may not be back yet: left for its next delivery",
+                    self._label,
+                    stream_seq,
+                    num_delivered,
+                    since,
+                )
+                return True
+            return False
+        except nats.errors.TimeoutError:
+            log.warning(
+                "%s: seq %d (delivery %d) is held by a replica that did not answer within %gs: left to it",
+                self._label,
+                stream_seq,
+                num_delivered,
+                HOLD_PROBE_TIMEOUT_S,
+            )
+            return True
+        log.info(
+            "%s: seq %d (delivery %d) is still held by a replica: left to it", self._label, stream_seq, num_delivered
+        )
+        return True
 
     async def _settled(self, event: Any) -> bool:
         """Whether a redelivered `event` was handled before: one of its stage's `settled_by`
@@ -533,6 +640,12 @@ def _letter_payload(data: bytes, nc: NatsClient) -> str:
         return text
     keep = max(0, (limit - _LETTER_ROOM) // 2)
     return text[:keep] + f"... [{len(data) - keep} more bytes: read the original at its stream sequence]"
+
+
+async def _answer_hold(msg: Msg) -> None:
+    """A probe of a message this replica holds: yes (any answer will do)."""
+    with contextlib.suppress(Exception):
+        await msg.respond(b"")
 
 
 def _ack_fields(reply: str) -> tuple[int, int]:

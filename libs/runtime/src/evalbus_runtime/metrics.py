@@ -13,7 +13,7 @@ class ServiceMetrics:
         labels = ["consumer"]
         self.messages = Counter(
             "evalbus_messages_total",
-            "Messages handled, by outcome (ack, retry, poison, ignored)",
+            "Messages handled, by outcome (ack, ignored, retry, poison, cancelled, held)",
             [*labels, "outcome"],
             registry=self.registry,
         )

@@ -461,5 +461,6 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
                 concurrency=most,
                 pool=pool,
                 settled_by=settled_execution,
+                exclusive=True,  # an agent never runs twice at once, whatever the ack wait
             )
         )
