@@ -17,7 +17,7 @@ consumer idle; it needs root to mount the tmpfs); the online collector's crash t
 one dead-lettered by every consumer of its subject, the makespan within 1.10 x a clean run's),
 then prints the table. The stall is
 the time from the kill until every consumer is idle again (the held message redelivered after its
-consumer's `ack_wait` — 10 s, 4 s for the dispatcher's case requests — and done); for the dispatcher
+consumer's `ack_wait` — 4 s for the case stages, 10 s for the recorder — and done); for the dispatcher
 killed mid-message the table also gives the time until its orphaned cases' agents ran again (goal:
 within 10 s). Goals: 0 lost, 0 duplicated, every scenario passed.
 

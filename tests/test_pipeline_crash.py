@@ -46,10 +46,11 @@ more). Before the wait for every consumer to be idle (`Pipeline.quiescent`), the
 windows passed even with deduplication broken: the batch finalized before the redelivery came.
 
 The services run with their consumers' own `ack_wait` (healthy replicas send `in_progress` every
-quarter of it): a message a killed replica held is redelivered after 10 s, a case request the
-dispatcher held after 4 s (its case stage is exclusive: a redelivery whose holder still lives is left
-to it, `Stage.exclusive`). The four targets run concurrently, each on a pipeline of its own
-(nats-server, database, five services), and the tests assert on what each scenario recorded.
+quarter of it): a case a killed dispatcher, judge or exporter held is redelivered after 4 s (their
+case stages are exclusive: a redelivery whose holder still lives is left to it, `Stage.exclusive`),
+what the gateway's recorder held after 10 s. The four targets run concurrently, each on a pipeline
+of its own (nats-server, database, five services), and the tests assert on what each scenario
+recorded.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ is derived from what the service's code does on the bus (`docs/deploy.md`, "NATS
   (`$JS.API.CONSUMER.DURABLE.CREATE.<stream>.<durable>`), pull from it
   (`$JS.API.CONSUMER.MSG.NEXT...`), acknowledge (`$JS.ACK.<stream>.<durable>.>`), hear its
   exhausted deliveries (`$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES...`) and read the exhausted
-  message back (`$JS.API.STREAM.MSG.GET.<stream>`) to dead-letter it;
+  message back (`$JS.API.STREAM.MSG.GET.<stream>`) to dead-letter it, and hold its messages and
+  probe a redelivery's holder (`held.<stream>.<durable>.*`, an exclusive stage's);
 * for each stream it reads outside its consumers (projections kept by an ordered consumer, last
   messages read by subject): ephemeral consumers, flow-control replies and message reads on that
   stream only;
@@ -124,18 +125,17 @@ SERVICES: tuple[ServiceUser, ...] = (
         subscribes=(
             Grant("ctl.*.*", "actions on the live sandboxes it holds (subjects.control_filter)"),
             Grant("term.*.in", "terminal keystrokes (subjects.terminal_subject)"),
-            Grant("held.CASES.dispatcher-cases.*", "the case requests it holds, answering probes (Stage.exclusive)"),
         ),
         responds=True,
         finds_streams=True,
         publish_extra=(
             Grant("$KV.dispatchers.>", "its presence in the dispatchers bucket (streams.DISPATCHERS)"),
             Grant("term.*.out", "terminal output (subjects.terminal_subject)"),
-            Grant("held.CASES.dispatcher-cases.*", "probes: is a redelivered request still held (Stage.exclusive)"),
         ),
     ),
     ServiceUser(
         name="collector",
+        responds=True,  # answers probes of the messages it holds (Stage.exclusive)
         consumers=(
             ("CASES", "collector-cases"),
             ("OBSERVATIONS", "collector-observations"),
@@ -160,6 +160,7 @@ SERVICES: tuple[ServiceUser, ...] = (
     ),
     ServiceUser(
         name="judge",
+        responds=True,  # answers probes of the messages it holds (Stage.exclusive)
         consumers=(("CASES", "judge-cases"),),
         publishes=(
             Grant("case.judged.>", "judged cases (CaseJudged)"),
@@ -174,6 +175,7 @@ SERVICES: tuple[ServiceUser, ...] = (
     ),
     ServiceUser(
         name="exporter",
+        responds=True,  # answers probes of the messages it holds (Stage.exclusive)
         consumers=(("CASES", "exporter-cases"),),
         publishes=(Grant("case.exported.>", "exported cases (CaseExported)"),),
     ),
@@ -360,6 +362,7 @@ def publish_grants(user: ServiceUser) -> list[Grant]:
             Grant(f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}", why + " (releases before named creation)"),
             Grant(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}", why),
             Grant(f"$JS.ACK.{stream}.{durable}.>", why + ": ack, nak, in_progress, term"),
+            Grant(f"held.{stream}.{durable}.*", why + ": is a redelivered message still held (Stage.exclusive)"),
         ]
         if stream not in get_streams:
             get_streams.append(stream)
@@ -392,6 +395,7 @@ def subscribe_grants(user: ServiceUser) -> list[Grant]:
         grants.append(
             Grant(f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}", f"exhausted {durable} deliveries")
         )
+        grants.append(Grant(f"held.{stream}.{durable}.*", f"the {durable} messages it holds (Stage.exclusive)"))
     grants += list(user.subscribes)
     return grants
 

@@ -45,7 +45,7 @@ class ConsumerDef(msgspec.Struct, frozen=True, kw_only=True):
     """Redelivery after this long without ack or `in_progress`: how long the messages a dead
     replica held wait before another replica gets them. Healthy replicas send `in_progress` every
     quarter of it, so it can be short; 10 s bounds the stall after a crash (issue 13's goal), and
-    an exclusive stage (the dispatcher's case requests) can go shorter still."""
+    an exclusive stage (the case stages) can go shorter still."""
     max_deliver: int = 5
     """Deliveries before the message is given up (and copied to the DLQ)."""
     max_ack_pending: int = 1000
@@ -136,7 +136,11 @@ def lane_consumer(lane: str) -> ConsumerDef:
 
 
 COLLECTOR_CASES = ConsumerDef(
-    durable="collector-cases", stream="CASES", filter_subjects=("case.executed.>",), max_ack_pending=256
+    durable="collector-cases",
+    stream="CASES",
+    filter_subjects=("case.executed.>",),
+    max_ack_pending=256,
+    ack_wait_s=4.0,
 )
 COLLECTOR_OBSERVATIONS = ConsumerDef(
     durable="collector-observations",
@@ -162,10 +166,15 @@ JUDGE_CASES = ConsumerDef(
     stream="CASES",
     filter_subjects=("case.executed.>", "case.collected.>", "case.observed.>"),
     max_ack_pending=4,
+    ack_wait_s=4.0,
 )
 EXPORTER_CASES = ConsumerDef(
-    durable="exporter-cases", stream="CASES", filter_subjects=("case.judged.>",), max_ack_pending=2
+    durable="exporter-cases", stream="CASES", filter_subjects=("case.judged.>",), max_ack_pending=2, ack_wait_s=4.0
 )
+"""The case stages after the dispatcher's (`collector-cases`, `judge-cases`, `exporter-cases`) are
+exclusive too (`evalbus_runtime.Stage.exclusive`: no second model judgement, trace pull or sink
+write beside a stalled first one), so their `ack_wait` is 4 s like the dispatcher's case requests:
+what a killed replica held runs again 2.5–4 s later."""
 GATEWAY_RECORDER = ConsumerDef(
     durable="gateway-recorder",
     stream="CASES",

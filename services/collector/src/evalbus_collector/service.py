@@ -81,6 +81,7 @@ def build_collector(service: Service, settings: CollectorSettings, secrets: Secr
             accepts=(CaseExecuted,),
             concurrency=settings.concurrency,
             settled_by=settled_by_output(CASE_COLLECTED),
+            exclusive=True,  # never two at once: a stalled replica is not joined on its case
         )
     )
     online = OnlineIngest(service, settings)

@@ -69,5 +69,6 @@ def build_exporter(service: Service, settings: ExporterSettings, factory: SinkFa
             accepts=(CaseJudged,),
             concurrency=settings.concurrency,
             settled_by=settled_by_output(CASE_EXPORTED),  # a redelivered case exported already is not sent again
+            exclusive=True,  # never two at once: a stalled replica is not joined on its case
         )
     )

@@ -136,6 +136,7 @@ def build_judge(service: Service, settings: JudgeSettings, registry: JudgeRegist
             accepts=(CaseExecuted, CaseCollected, CaseObserved),
             concurrency=settings.concurrency,
             settled_by=settled_by_output(CASE_JUDGED),  # a redelivered case judged already costs no LLM call
+            exclusive=True,  # never two at once: a stalled replica is not joined on its case
         )
     )
     return reg
