@@ -9,7 +9,8 @@ Specs reference them as `{"kind": "registered", "id": ..., "name": <name>, "para
   Its score never names the file, so runs with different rendezvous paths score identically.
   The file is `params.path` when given, else the value of the key `params.key` (default
   `judge_waits_for`) in the case input read as a JSON object; a case naming no file passes at once.
-  Before it waits it creates `<file>.waiting.<run id>`, so a test can see which run it holds.
+  Before it waits it appends its process id to `<file>.waiting.<run id>`, so a test can see which
+  run it holds, in which judge process, and how many times it started on it.
   `params.timeout_s` (default 30) is the deadline.
 - `delay`: sleeps a per-run amount derived from the run id (0 to `params.max_ms`, default 40 ms),
   like a remote judge of varying latency, and scores the answer's length (pass when it is not
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -52,6 +54,11 @@ def waiting_marker(path: str | Path, run_id: str) -> Path:
     return Path(f"{path}.waiting.{run_id}")
 
 
+def _append_pid(marker: Path) -> None:
+    with marker.open("a") as f:
+        f.write(f"{os.getpid()}\n")
+
+
 def input_field(case_input: str | None, key: str) -> str | None:
     """`key` of the case input read as a JSON object (None when the input is not one or lacks it)."""
     if not case_input:
@@ -78,7 +85,7 @@ class WaitFileJudge:
         target = self.path or input_field(ctx.case_input, self.key)
         if target is None:
             return measured(self.judge_id, 1.0, passed=True, detail="nothing to wait for")
-        await asyncio.to_thread(waiting_marker(target, ctx.run_id).touch)
+        await asyncio.to_thread(_append_pid, waiting_marker(target, ctx.run_id))
         deadline = time.monotonic() + self.timeout_s
         while not await asyncio.to_thread(Path(target).exists):
             if time.monotonic() > deadline:
