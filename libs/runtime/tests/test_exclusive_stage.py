@@ -1,9 +1,9 @@
 """An exclusive stage (`Stage.exclusive`) never handles a message twice at once: a redelivery whose
 holder still lives is left to it, one whose holder is gone runs — on a real nats-server.
 
-The first test makes a healthy replica miss its `ack_wait` on purpose: replica A's loop is built
-with a copy of the consumer whose `ack_wait` is an hour, so it never sends `in_progress`, while the
-server's consumer redelivers after 1.5 s. Without `exclusive` (the parametrised control) replica B
+The first test makes a healthy replica miss its `ack_wait` on purpose: replica A's ticker, which
+sends `in_progress` for what it holds, is stopped (as a stalled event loop would not send it), while
+the server's consumer redelivers after 1.5 s. Without `exclusive` (the parametrised control) replica B
 then runs the message a second time while A still runs it — two handlers at once, the hazard a
 short `ack_wait` brings; with it B's probe of the hold subject is answered and B leaves the message
 to A. The process tests stop a holder with SIGSTOP (it cannot answer: left to it, and it finishes
@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 from nats.aio.client import Client as NatsClient
 
@@ -33,11 +32,14 @@ from evalbus_runtime import consumer as consumer_module
 from evalbus_runtime.bus import ensure_consumer
 from evalbus_runtime.consumer import ConsumerLoop
 from evalbus_runtime.metrics import ServiceMetrics
+from evalbus_runtime.tasks import cancel_and_wait
 
 pytestmark = [pytest.mark.integration]
 
 SERVER_ACK_WAIT_S = 1.5
 """The consumer's `ack_wait` on the server: a replica that does not touch a message this long loses it."""
+HOLD_S = 4.0
+"""How long a handler holds its message in the ack-wait test: well past `SERVER_ACK_WAIT_S`."""
 
 
 def _batch() -> str:
@@ -126,9 +128,10 @@ async def test_a_holder_that_misses_its_ack_wait_is_not_joined_by_a_second_run(
     release = asyncio.Event()
     a, b = Replica("replica-a", release), Replica("replica-b", release)
     try:
-        # A's copy of the consumer says an hour: its loop never touches what it holds in time.
-        blind = msgspec.structs.replace(consumer, ack_wait_s=3600.0)
-        await a.start(nats_url, dataclasses.replace(stage, consumer=blind))
+        await a.start(nats_url, stage)
+        assert a.loop is not None
+        assert a.loop._ticker is not None
+        await cancel_and_wait(a.loop._ticker)  # A now never touches what it holds
         await pub.publish_event(request(batch, "c1"))
         await eventually(lambda: a.started == [1], timeout_s=10, what="replica A to take c1")
         await b.start(nats_url, stage)
@@ -259,4 +262,42 @@ async def test_no_responders_right_after_a_reconnect_is_not_believed(
         await eventually(stored_once, timeout_s=10, what="c1's output stored")
         assert b.started[0] >= 3  # delivered to the victim, left by B, run by B
     finally:
+        await b.stop()
+
+
+async def test_a_loop_touches_what_it_holds_against_the_servers_shorter_ack_wait(
+    bus: tuple[NatsClient, Publisher], nats_url: str
+) -> None:
+    """A replica whose own definition says 10 s (an older release, or another `ACK_WAIT_S`) while
+    the server's consumer says 1.5 s (set by another replica) follows the server: a case it holds
+    for 4 s is never redelivered to the replica beside it. Touching it at a quarter of its own
+    10 s, it would be (tried: the read-back made to do nothing)."""
+    nc, pub = bus
+    batch = _batch()
+    consumer = make_consumer(batch, ack_wait_s=SERVER_ACK_WAIT_S)
+    await ensure_consumer(nc.jetstream(), consumer)
+    own = dataclasses.replace(
+        Stage(consumer=consumer, handler=unused, accepts=(CaseRequested,), concurrency=1),
+        consumer=make_consumer(batch, durable=consumer.durable, ack_wait_s=10.0),
+    )
+    release = asyncio.Event()
+    a, b = Replica("replica-a", release), Replica("replica-b", release)
+    try:
+        await a.start(nats_url, own)
+        await pub.publish_event(request(batch, "c1"))
+        await eventually(lambda: a.started == [1], timeout_s=10, what="replica A to take c1")
+        await b.start(nats_url, dataclasses.replace(own, consumer=consumer))  # B pulls what A would lose
+        await asyncio.sleep(HOLD_S)  # the work itself: A holds c1 well past the server's ack_wait
+        release.set()
+
+        async def done_once() -> bool:
+            return await executed_count(nc, batch) == {"c1": 1}
+
+        await eventually(done_once, timeout_s=10, what="c1's output")
+        info = await nc.jetstream().consumer_info(consumer.stream, consumer.durable)
+        assert info.num_redelivered == 0
+        assert a.started == [1]
+        assert b.started == []
+    finally:
+        await a.stop()
         await b.stop()

@@ -361,6 +361,7 @@ def publish_grants(user: ServiceUser) -> list[Grant]:
             Grant(f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.>", why + ", created by name with its filter"),
             Grant(f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}", why + " (releases before named creation)"),
             Grant(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}", why),
+            Grant(f"$JS.API.CONSUMER.INFO.{stream}.{durable}", why + ": its ack_wait, read back"),
             Grant(f"$JS.ACK.{stream}.{durable}.>", why + ": ack, nak, in_progress, term"),
             Grant(f"held.{stream}.{durable}.*", why + ": is a redelivered message still held (Stage.exclusive)"),
         ]

@@ -59,6 +59,10 @@ log = logging.getLogger("evalbus.consumer")
 
 HOLD_PROBE_TIMEOUT_S = 1.0
 """How long a redelivery of an exclusive stage waits for its holder to answer (`Stage.exclusive`)."""
+ACK_WAIT_REFRESH_S = 30.0
+"""How often a loop reads its consumer's `ack_wait` back from the server: it touches what it holds
+at a quarter of the shorter of that and its own definition's, so a replica of an older release, or
+one whose `ACK_WAIT_S` differs, never lets a shorter wait set by another replica run out."""
 RECONNECT_GRACE_S = 5.0
 """After this replica reconnected, how long "no responders" on a hold subject is not believed: a
 restarted nats-server's clients come back one by one (every 0.5 s), and a holder not back yet has
@@ -204,6 +208,8 @@ class ConsumerLoop:
         self._refills: set[asyncio.Future[None]] = set()
         """Pull requests being sent (kept: the event loop holds only weak references to tasks)."""
         self._beat: dict[int, tuple[Msg, float]] = {}
+        self._ack_wait_s = stage.consumer.ack_wait_s
+        """The `ack_wait` held messages are touched against (see `ACK_WAIT_REFRESH_S`)."""
         self._ticker: asyncio.Task[None] | None = None
         self._refill_scheduled = False
         self._reconnected_at = -RECONNECT_GRACE_S
@@ -222,6 +228,7 @@ class ConsumerLoop:
         self._adv_sub = await self._nc.subscribe(
             max_deliveries_advisory(self._consumer), queue=f"{self._service}-advisories", cb=self._on_advisory
         )
+        await self._follow_ack_wait()
         self._ticker = asyncio.create_task(self._tick(), name=f"tick-{self._label}")
         if self._pool is not None:
             self._pool.on_change(self._schedule_refill)
@@ -340,14 +347,27 @@ class ConsumerLoop:
         self._release()
         pool.give_back()  # tells every stage sharing it (this one included) to pull again
 
+    async def _follow_ack_wait(self) -> None:
+        """Touch held messages against the shorter of the server's `ack_wait` and our own."""
+        try:
+            info = await self._nc.jetstream().consumer_info(self._consumer.stream, self._consumer.durable)
+        except Exception as e:  # best effort: our own definition's stays in force
+            log.debug("%s: ack_wait not read back: %s", self._label, e)
+            return
+        server = float(info.config.ack_wait or 0)
+        self._ack_wait_s = min(self._consumer.ack_wait_s, server) if server > 0 else self._consumer.ack_wait_s
+
     async def _tick(self) -> None:
-        # A held message is touched every quarter of `ack_wait` (at most half a quarter late), so a
-        # healthy replica's event loop may stall for more than half of it before a redelivery.
-        beat_after = self._consumer.ack_wait_s / 4
-        period = max(0.2, min(1.0, beat_after / 2))
+        refreshed = time.monotonic()
         while True:
-            await asyncio.sleep(period)
+            # A held message is touched every quarter of `ack_wait` (at most half a quarter late),
+            # so a healthy replica's event loop may stall for more than half of it before a redelivery.
+            beat_after = self._ack_wait_s / 4
+            await asyncio.sleep(max(0.2, min(1.0, beat_after / 2)))
             now = time.monotonic()
+            if now - refreshed >= ACK_WAIT_REFRESH_S:
+                refreshed = now
+                await self._follow_ack_wait()
             for rid, req in list(self._requests.items()):
                 if now > req.deadline + 2.0:
                     self._requests.pop(rid, None)
