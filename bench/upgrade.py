@@ -48,6 +48,8 @@ from evalbus_runtime import connect
 
 STAGES = ("case.requested", "case.executed", "case.judged", "case.exported")
 ROLL_ORDER = ("gateway", "exporter", "judge", "collector", "dispatcher")
+EXCLUSIVE_SINCE_2026_12_07 = ("exporter", "judge", "collector", "dispatcher")
+"""The services whose case consumers' ack wait went from 10 s to 4 s with their exclusive stages."""
 
 
 def old_build(revision: str, into: Path) -> dict[str, str]:
@@ -127,8 +129,12 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 sender = asyncio.create_task(traffic())
                 try:
                     for s in ROLL_ORDER:
-                        await replace(stack, f"{s}@2", f"{s}@3", {})
-                        await replace(stack, s, f"{s}@4", {})
+                        # docs/deploy.md, "Upgrading": from a build before the exclusive case
+                        # stages, the new case services keep the old 10 s ack wait while old
+                        # replicas run (they touch what they hold only every 4 s)
+                        env = {"ACK_WAIT_S": "10"} if s in EXCLUSIVE_SINCE_2026_12_07 else {}
+                        await replace(stack, f"{s}@2", f"{s}@3", env)
+                        await replace(stack, s, f"{s}@4", env)
                 finally:
                     rolled_out.set()
                     await sender
