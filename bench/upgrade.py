@@ -49,7 +49,8 @@ from evalbus_runtime import connect
 STAGES = ("case.requested", "case.executed", "case.judged", "case.exported")
 ROLL_ORDER = ("gateway", "exporter", "judge", "collector", "dispatcher")
 EXCLUSIVE_SINCE_2026_12_07 = ("exporter", "judge", "collector", "dispatcher")
-"""The services whose case consumers' ack wait went from 10 s to 4 s with their exclusive stages."""
+"""The services whose case (and fan-out) consumers' ack wait went from 10 s to 4 s with their
+exclusive stages."""
 
 
 def old_build(revision: str, into: Path) -> dict[str, str]:

@@ -108,8 +108,14 @@ def stream_of(subject: str) -> StreamDef | None:
 
 
 DISPATCHER_BATCHES = ConsumerDef(
-    durable="dispatcher-batches", stream="CASES", filter_subjects=("batch.requested.>",), max_ack_pending=64
+    durable="dispatcher-batches",
+    stream="CASES",
+    filter_subjects=("batch.requested.>",),
+    max_ack_pending=64,
+    ack_wait_s=4.0,
 )
+"""The fan-out: exclusive like the case stages (one fan-out of a batch at a time), so a killed
+dispatcher's fan-out is taken up 2.5–4 s later."""
 DISPATCHER_CASES = ConsumerDef(
     durable="dispatcher-cases",
     stream="CASES",

@@ -450,7 +450,9 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
     service.on_stop(stop)
     if settings.fans_out():
         service.add_stage(
-            Stage(consumer=DISPATCHER_BATCHES, handler=on_batch, accepts=(BatchRequested,), concurrency=8)
+            Stage(
+                consumer=DISPATCHER_BATCHES, handler=on_batch, accepts=(BatchRequested,), concurrency=8, exclusive=True
+            )
         )
     for lane in lanes:
         service.add_stage(
