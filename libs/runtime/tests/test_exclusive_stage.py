@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from evalbus.testing.bus import Marks, Workers, executed_count, make_consumer, request
+from evalbus.testing.bus import Marks, Workers, executed, executed_count, make_consumer, request
 from evalbus.testing.pipeline import eventually
-from evalbus_contracts import CaseExecuted, CaseRequested, CaseResult
+from evalbus_contracts import CaseRequested
 from evalbus_contracts.events import EventBase
 from evalbus_runtime import Delivery, Publisher, Stage, connect
 from evalbus_runtime import consumer as consumer_module
@@ -44,18 +44,6 @@ HOLD_S = 4.0
 
 def _batch() -> str:
     return f"x{uuid.uuid4().hex[:8]}"
-
-
-def executed(event: CaseRequested) -> CaseExecuted:
-    result = CaseResult(case_id=event.case.id, run_id=event.run_id or "", harness="h@1", answer="ok")
-    return CaseExecuted(
-        batch_id=event.batch_id,
-        case_id=event.case_id,
-        run_id=event.run_id,
-        status="succeeded",
-        result=result,
-        plan=event.plan,
-    )
 
 
 class Replica:

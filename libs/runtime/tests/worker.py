@@ -16,7 +16,8 @@ from collections.abc import Sequence
 
 import msgspec
 
-from evalbus_contracts import CaseExecuted, CaseRequested, CaseResult
+from evalbus.testing.bus import executed
+from evalbus_contracts import CaseRequested
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.streams import ConsumerDef
 from evalbus_contracts.subjects import CASE_EXECUTED
@@ -51,17 +52,7 @@ def build(service: Service) -> None:
             raise Poison("input says poison")
         await asyncio.sleep(work_s)
         mark(marks, f"end {event.case_id} {delivery.num_delivered}")
-        result = CaseResult(case_id=event.case.id, run_id=event.run_id or "", harness="h@1", answer="ok")
-        return [
-            CaseExecuted(
-                batch_id=event.batch_id,
-                case_id=event.case_id,
-                run_id=event.run_id,
-                status="succeeded",
-                result=result,
-                plan=event.plan,
-            )
-        ]
+        return [executed(event)]
 
     service.add_stage(
         Stage(

@@ -17,7 +17,16 @@ import msgspec
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from evalbus_contracts import CasePlan, CaseRequested, CaseSpec, CommandHarness, DeadLetter, decode_event
+from evalbus_contracts import (
+    CaseExecuted,
+    CasePlan,
+    CaseRequested,
+    CaseResult,
+    CaseSpec,
+    CommandHarness,
+    DeadLetter,
+    decode_event,
+)
 from evalbus_contracts.streams import ConsumerDef
 from evalbus_runtime import Publisher, connect, ensure_topology
 
@@ -133,6 +142,19 @@ def request(batch: str, case: str, text: str = "x") -> CaseRequested:
         case=CaseSpec(id=case, input=text),
         harness=CommandHarness(id="h", command=("true",)),
         plan=CasePlan(),
+    )
+
+
+def executed(event: CaseRequested) -> CaseExecuted:
+    """The `case.executed` a test worker answers `event` with (answer "ok")."""
+    result = CaseResult(case_id=event.case.id, run_id=event.run_id or "", harness="h@1", answer="ok")
+    return CaseExecuted(
+        batch_id=event.batch_id,
+        case_id=event.case_id,
+        run_id=event.run_id,
+        status="succeeded",
+        result=result,
+        plan=event.plan,
     )
 
 
