@@ -114,11 +114,6 @@ def hold_subject(stream: str, durable: str, stream_seq: int) -> str:
     return f"held.{encode_token(stream)}.{encode_token(durable)}.{stream_seq}"
 
 
-def hold_filter(stream: str, durable: str) -> str:
-    """Every hold subject of one consumer (what its replicas subscribe to and probe)."""
-    return f"held.{encode_token(stream)}.{encode_token(durable)}.*"
-
-
 def control_subject(run_id: str, action: str) -> str:
     """Request/reply subject for actions on a live sandbox (`exec`, `terminal`, `screen`): the
     dispatcher holding the run subscribes to `control_filter(run_id)` while its sandbox lives."""
