@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import signal
 import uuid
 from collections.abc import Sequence
@@ -23,11 +24,12 @@ from typing import Any
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from evalbus.testing.bus import Marks, Workers, executed, executed_count, make_consumer, request
+from evalbus.testing.bus import Marks, Workers, dead_letters, executed, executed_count, make_consumer, request
 from evalbus.testing.pipeline import eventually
 from evalbus_contracts import CaseRequested
 from evalbus_contracts.events import EventBase
-from evalbus_runtime import Delivery, Publisher, Stage, connect
+from evalbus_contracts.subjects import CASE_EXECUTED
+from evalbus_runtime import Delivery, Publisher, Stage, connect, settled_by_output
 from evalbus_runtime import consumer as consumer_module
 from evalbus_runtime.bus import ensure_consumer
 from evalbus_runtime.consumer import ConsumerLoop
@@ -49,8 +51,9 @@ def _batch() -> str:
 class Replica:
     """A consumer loop on a connection of its own, in this process, counting its handler calls."""
 
-    def __init__(self, name: str, release: asyncio.Event) -> None:
+    def __init__(self, name: str, release: asyncio.Event, service: str | None = None) -> None:
         self.name = name
+        self.service = service or name
         self.release = release
         self.started: list[int] = []
         """Delivery counts of the handler calls."""
@@ -76,7 +79,11 @@ class Replica:
         await self.pub.start()
         self.durable = stage.consumer.durable
         self.loop = ConsumerLoop(
-            self.nc, self.pub, dataclasses.replace(stage, handler=self.handle), service=self.name, metrics=self.metrics
+            self.nc,
+            self.pub,
+            dataclasses.replace(stage, handler=self.handle),
+            service=self.service,
+            metrics=self.metrics,
         )
         await self.loop.start()
 
@@ -284,6 +291,57 @@ async def test_a_loop_touches_what_it_holds_against_the_servers_shorter_ack_wait
         await eventually(done_once, timeout_s=10, what="c1's output")
         info = await nc.jetstream().consumer_info(consumer.stream, consumer.durable)
         assert info.num_redelivered == 0
+        assert a.started == [1]
+        assert b.started == []
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_case_that_ran_out_of_deliveries_while_its_holder_stalled_is_watched_not_dead_lettered(
+    bus: tuple[NatsClient, Publisher], nats_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each redelivery left to a stalled holder still counts against `max_deliver`. When they run
+    out while the holder still holds the case, the case is watched, not dead-lettered: the holder
+    finishes, its output is stored, no letter. (Dead-lettered at once before: tried.)"""
+    caplog.set_level(logging.INFO, logger="evalbus.consumer")
+    nc, pub = bus
+    batch = _batch()
+    service = f"w{batch}"
+    consumer = make_consumer(batch, ack_wait_s=SERVER_ACK_WAIT_S, max_deliver=2)
+    await ensure_consumer(nc.jetstream(), consumer)
+    stage = Stage(
+        consumer=consumer,
+        handler=unused,
+        accepts=(CaseRequested,),
+        concurrency=1,
+        exclusive=True,
+        settled_by=settled_by_output(CASE_EXECUTED),
+    )
+    release = asyncio.Event()
+    a, b = Replica("replica-a", release, service), Replica("replica-b", release, service)
+    try:
+        await a.start(nats_url, stage)
+        assert a.loop is not None
+        assert a.loop._ticker is not None
+        await cancel_and_wait(a.loop._ticker)  # A now never touches what it holds
+        await pub.publish_event(request(batch, "c1"))
+        await eventually(lambda: a.started == [1], timeout_s=10, what="replica A to take c1")
+        await b.start(nats_url, stage)
+
+        def logged(text: str) -> bool:
+            return any(text in r.getMessage() for r in caplog.records)
+
+        await eventually(lambda: logged("ran out of deliveries while a replica still holds it"), timeout_s=15,
+                         what="c1's deliveries to run out while A holds it")  # fmt: skip
+        release.set()
+        await eventually(lambda: logged("its output is stored: no dead letter"), timeout_s=15, what="c1 settled")
+
+        async def stored_once() -> bool:
+            return await executed_count(nc, batch) == {"c1": 1}
+
+        await eventually(stored_once, timeout_s=10, what="c1's output")
+        assert await dead_letters(nc, service) == []
         assert a.started == [1]
         assert b.started == []
     finally:

@@ -112,7 +112,10 @@ class Stage:
     reconnected, while the holder may be reconnecting too) lets it run. A stall of the holder's
     event loop past `ack_wait` then costs a delivery count, not a second run, which is what makes a
     short `ack_wait` — a short stall after a crash — safe for a stage whose work must not overlap
-    (the dispatcher's agent runs). Costs a subscription per message handled."""
+    (the dispatcher's agent runs). When such counts exhaust `max_deliver` while the holder still
+    holds the message, it is watched instead of dead-lettered: no letter once its `settled_by`
+    output is stored, a letter when nobody holds it any more without it. Costs a subscription per
+    message handled."""
 
 
 def settled_by_output(kind: str) -> Callable[[Any], Sequence[EventKey]]:
@@ -208,6 +211,8 @@ class ConsumerLoop:
         self._refills: set[asyncio.Future[None]] = set()
         """Pull requests being sent (kept: the event loop holds only weak references to tasks)."""
         self._beat: dict[int, tuple[Msg, float]] = {}
+        self._watches: dict[asyncio.Task[None], tuple[int, int, str, str, dict[str, str]]] = {}
+        """Exhausted messages a replica still holds (`_watch_exhausted`), with their letters' fields."""
         self._ack_wait_s = stage.consumer.ack_wait_s
         """The `ack_wait` held messages are touched against (see `ACK_WAIT_REFRESH_S`)."""
         self._ticker: asyncio.Task[None] | None = None
@@ -258,6 +263,12 @@ class ConsumerLoop:
                     )
         if self._ticker is not None:
             await cancel_and_wait(self._ticker)
+        for watch, (seq, deliveries, payload, subject, headers) in list(self._watches.items()):
+            # stopping: no replica of ours will look again, so what is unsettled goes to the DLQ now
+            watch.cancel()
+            await asyncio.wait({watch}, timeout=CANCEL_GRACE_S)
+            if not await self._exhausted_but_settled(payload.encode(), seq):
+                await self._dead_letter_exhausted(seq, deliveries, payload, subject, headers)
         for sub in (self._sub, self._adv_sub):
             if sub is not None:
                 with contextlib.suppress(Exception):
@@ -613,6 +624,19 @@ class ConsumerLoop:
         with contextlib.suppress(Exception):
             await msg.term()
 
+    async def _exhausted_but_settled(self, data: bytes, seq: int) -> bool:
+        """Whether a message that ran out of deliveries was handled all the same: its stage's
+        `settled_by` output is stored (a holder that lost its deliveries while it stalled — each
+        one left to it by an exclusive stage — and then finished). Then it needs no dead letter."""
+        try:
+            event = self._stage.decode(data)
+            settled = await self._settled(event)
+        except Exception:  # undecodable, or the lookup failed: dead-lettered as before
+            return False
+        if settled:
+            log.info("%s: seq %d ran out of deliveries but its output is stored: no dead letter", self._label, seq)
+        return settled
+
     async def _on_advisory(self, msg: Msg) -> None:
         try:
             doc = msgspec.json.decode(msg.data)
@@ -625,11 +649,42 @@ class ConsumerLoop:
             raw = await self._nc.jetstream().get_msg(self._consumer.stream, seq)
         except Exception as e:
             log.warning("max deliveries for seq %d but it cannot be read: %s", seq, e)
-            payload, subject, headers = "", "", {}
-        else:
-            payload = (raw.data or b"").decode("utf-8", errors="replace")
-            subject = raw.subject or ""
-            headers = dict(raw.headers or {})
+            await self._dead_letter_exhausted(seq, deliveries, "", "", {})
+            return
+        data = raw.data or b""
+        payload = data.decode("utf-8", errors="replace")
+        subject, headers = raw.subject or "", dict(raw.headers or {})
+        if await self._exhausted_but_settled(data, seq):
+            return
+        if self._stage.exclusive and await self._held_elsewhere(seq, deliveries):
+            # Its deliveries ran out while a stalled holder kept it (each one left to the holder):
+            # watched until it settles; dead-lettered if the holder goes without storing its output.
+            log.warning("%s: seq %d ran out of deliveries while a replica still holds it: watched", self._label, seq)
+            watch = asyncio.create_task(self._watch_exhausted(seq, deliveries, data, subject, headers))
+            self._watches[watch] = (seq, deliveries, payload, subject, headers)
+            watch.add_done_callback(self._end_watch)
+            return
+        await self._dead_letter_exhausted(seq, deliveries, payload, subject, headers)
+
+    def _end_watch(self, task: asyncio.Task[None]) -> None:
+        self._watches.pop(task, None)
+
+    async def _watch_exhausted(
+        self, seq: int, deliveries: int, data: bytes, subject: str, headers: dict[str, str]
+    ) -> None:
+        """An exhausted message a replica still holds: looked at every `ack_wait` until its output
+        is stored (no dead letter) or nobody holds it any more (dead-lettered)."""
+        while True:
+            await asyncio.sleep(self._ack_wait_s)
+            if await self._exhausted_but_settled(data, seq):
+                return
+            if not await self._held_elsewhere(seq, deliveries):
+                break
+        await self._dead_letter_exhausted(seq, deliveries, data.decode("utf-8", errors="replace"), subject, headers)
+
+    async def _dead_letter_exhausted(
+        self, seq: int, deliveries: int, payload: str, subject: str, headers: dict[str, str]
+    ) -> None:
         letter = DeadLetter(
             service=self._service,
             reason=f"max_deliver exhausted: {deliveries} deliveries without an answer",
