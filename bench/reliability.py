@@ -18,8 +18,9 @@ one dead-lettered by every consumer of its subject, the makespan within 1.10 x a
 then prints the table. The stall is
 the time from the kill until every consumer is idle again (the held message redelivered after its
 consumer's `ack_wait` — 4 s for the case stages, 10 s for the recorder — and done); for the dispatcher
-killed mid-message the table also gives the time until its orphaned cases' agents ran again (goal:
-within 10 s). Goals: 0 lost, 0 duplicated, every scenario passed.
+killed mid-message the table also gives the time until its orphaned cases' agents ran again, on the
+restarted dispatcher and (`tests/test_pipeline_stalled_replica.py`) on a second replica that was up
+all along (goal: within 10 s). Goals: 0 lost, 0 duplicated, every scenario passed.
 
     .venv/bin/python bench/reliability.py [--poison-per-subject 1000] [--check] [--json]
 
@@ -48,6 +49,7 @@ ONLINE_CRASH = "tests/test_online_pipeline.py::test_collector_killed_mid_stream_
 NATS_RESTART = "tests/test_pipeline_nats_restart.py"
 DATABASE_OUTAGE = "tests/test_pipeline_outages.py::test_a_database_outage_mid_batch_loses_and_doubles_nothing"
 DISK_FULL = "tests/test_pipeline_disk_full.py"
+SURVIVOR = "tests/test_pipeline_stalled_replica.py::test_a_killed_dispatchers_case_runs_again_on_the_surviving_replica"
 
 
 def run_pytest(target: str, env: dict[str, str]) -> tuple[int, float, str]:
@@ -127,9 +129,17 @@ def main() -> int:
         disk_path = Path(tmp) / "disk.json"
         disk_code, disk_s, disk_tail = run_pytest(DISK_FULL, {**env, "EVALBUS_RELIABILITY_REPORT": str(disk_path)})
         disk_rows: list[dict[str, Any]] = json.loads(disk_path.read_text()) if disk_path.exists() else []
+        survivor_path = Path(tmp) / "survivor.json"
+        survivor_code, survivor_s, survivor_tail = run_pytest(
+            SURVIVOR, {**env, "EVALBUS_RELIABILITY_REPORT": str(survivor_path)}
+        )
+        survivor_rows: list[dict[str, Any]] = json.loads(survivor_path.read_text()) if survivor_path.exists() else []
     rows += nats_rows or [{"test": "SIGKILL nats-server (single node)", "error": nats_tail or f"exit {nats_code}"}]
     rows += db_rows or [{"test": "PostgreSQL unavailable mid-batch", "error": db_tail or f"exit {db_code}"}]
     rows += disk_rows or [{"test": "case workdirs' disk full", "error": disk_tail or f"exit {disk_code}"}]
+    rows += survivor_rows or [
+        {"test": "SIGKILL dispatcher, a surviving replica", "error": survivor_tail or f"exit {survivor_code}"}
+    ]
     online_code, online_s, online_tail = run_pytest(ONLINE_CRASH, dict(os.environ))
     rows.append(
         {
@@ -149,11 +159,11 @@ def main() -> int:
     resumed = [float(r["resumed_s"]) for r in rows if r.get("resumed_s") is not None]
     goals = [
         goal(
-            "dispatcher killed mid-batch: its cases running again, s after the kill",
-            max(resumed) if resumed else None,
+            "dispatcher killed mid-batch: its cases running again on a restarted or surviving replica, s after the kill",
+            max(resumed) if len(resumed) >= 2 else None,
             "<=",
             10.0,
-            "issue 13 (the dispatcher's 4 s ack wait, an exclusive stage)",
+            "issue 13 (the dispatcher's 4 s ack wait, an exclusive stage); the slower of the two",
         ),
         goal("cases lost", float(lost), "==", 0, "every scenario"),
         goal("cases duplicated", float(duplicated), "==", 0, "every scenario"),
@@ -169,6 +179,7 @@ def main() -> int:
             "nats_restart": nats_s,
             "database_outage": db_s,
             "disk_full": disk_s,
+            "surviving_replica": survivor_s,
             "online_crash": online_s,
         },
         "goals": goals,

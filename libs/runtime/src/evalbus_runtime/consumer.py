@@ -63,10 +63,11 @@ ACK_WAIT_REFRESH_S = 30.0
 """How often a loop reads its consumer's `ack_wait` back from the server: it touches what it holds
 at a quarter of the shorter of that and its own definition's, so a replica of an older release, or
 one whose `ACK_WAIT_S` differs, never lets a shorter wait set by another replica run out."""
-RECONNECT_GRACE_S = 5.0
+RECONNECT_GRACE_S = 2.0
 """After this replica reconnected, how long "no responders" on a hold subject is not believed: a
-restarted nats-server's clients come back one by one (every 0.5 s), and a holder not back yet has
-no subscription for a moment — its message waits for the next redelivery instead."""
+restarted nats-server's clients come back one by one (each tries every 0.5 s), and a holder not
+back yet has no subscription for a moment — its message is put back until the grace is over and
+asked about again then."""
 
 CANCEL_GRACE_S = 10.0
 """How long `stop` waits for cancelled handlers to end before it gives up on them (and logs where
@@ -437,8 +438,12 @@ class ConsumerLoop:
         try:
             if num_delivered > 1 and await self._held_elsewhere(stream_seq, num_delivered):
                 self._outcomes["held"].inc()
+                grace = self._grace_left()
                 with contextlib.suppress(Exception):
-                    await msg.in_progress()  # its holder's own touches keep it from here on
+                    if grace > 0:  # maybe nobody holds it: asked again as soon as the grace is over
+                        await msg.nak(delay=grace)
+                    else:
+                        await msg.in_progress()  # its holder's own touches keep it from here on
                 self._release()
                 return None
             return await self._nc.subscribe(
@@ -549,6 +554,10 @@ class ConsumerLoop:
             self._handle_hist.observe(time.monotonic() - started)
             delivery.release_slot()
 
+    def _grace_left(self) -> float:
+        """Seconds of `RECONNECT_GRACE_S` left since this replica last reconnected (0: none)."""
+        return max(0.0, RECONNECT_GRACE_S - (time.monotonic() - self._reconnected_at))
+
     async def _held_elsewhere(self, stream_seq: int, num_delivered: int) -> bool:
         """Whether a replica still handles the message at `stream_seq` (a redelivery of an exclusive
         stage): its hold subject answers, or nobody answers within `HOLD_PROBE_TIMEOUT_S` (a holder
@@ -558,15 +567,15 @@ class ConsumerLoop:
         try:
             await self._nc.request(subject, b"", timeout=HOLD_PROBE_TIMEOUT_S)
         except nats.errors.NoRespondersError:
-            since = time.monotonic() - self._reconnected_at
-            if since < RECONNECT_GRACE_S:
+            grace = self._grace_left()
+            if grace > 0:
                 log.warning(
-                    "%s: seq %d (delivery %d) has no holder, but this replica reconnected %.1fs ago and its "
-                    "holder may not be back yet: left for its next delivery",
+                    "%s: seq %d (delivery %d) has no holder, but this replica reconnected only now and its "
+                    "holder may not be back yet: asked again in %.1fs",
                     self._label,
                     stream_seq,
                     num_delivered,
-                    since,
+                    grace,
                 )
                 return True
             return False
