@@ -29,8 +29,7 @@ from evalbus.testing.pipeline import eventually
 from evalbus_contracts import CaseRequested
 from evalbus_contracts.events import EventBase
 from evalbus_contracts.subjects import CASE_EXECUTED
-from evalbus_runtime import Delivery, Publisher, Stage, connect, settled_by_output
-from evalbus_runtime import consumer as consumer_module
+from evalbus_runtime import Delivery, Publisher, Stage, connect, holds, settled_by_output
 from evalbus_runtime.bus import ensure_consumer
 from evalbus_runtime.consumer import ConsumerLoop
 from evalbus_runtime.metrics import ServiceMetrics
@@ -229,7 +228,7 @@ async def test_no_responders_right_after_a_reconnect_is_not_believed(
     hold subscription for a moment. A replica that reconnected within `RECONNECT_GRACE_S` leaves a
     redelivery with no holder for its next delivery; after the grace it runs it. (The holder here
     is gone for good — SIGKILLed — which "no responders" cannot tell from one not back yet.)"""
-    monkeypatch.setattr(consumer_module, "RECONNECT_GRACE_S", 2.0)
+    monkeypatch.setattr(holds, "RECONNECT_GRACE_S", 2.0)
     nc, pub = bus
     batch = _batch()
     consumer = make_consumer(batch, ack_wait_s=SERVER_ACK_WAIT_S, max_deliver=20)

@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -45,9 +44,9 @@ from evalbus_contracts import DeadLetter, decode_event
 from evalbus_contracts.codec import NewerSchemaError
 from evalbus_contracts.events import EventBase, EventKey, stage_output_key
 from evalbus_contracts.streams import ConsumerDef, max_deliveries_advisory
-from evalbus_contracts.subjects import hold_subject
 from evalbus_runtime.errors import PayloadTooLargeError, Poison, PublishFailedError, Retry
 from evalbus_runtime.faults import NO_FAULTS, FaultPoint, Faults
+from evalbus_runtime.holds import Holds
 from evalbus_runtime.logs import batch_id_var, run_id_var
 from evalbus_runtime.metrics import ServiceMetrics
 from evalbus_runtime.publisher import Publisher
@@ -57,17 +56,10 @@ from evalbus_runtime.tracing import message_span
 
 log = logging.getLogger("evalbus.consumer")
 
-HOLD_PROBE_TIMEOUT_S = 1.0
-"""How long a redelivery of an exclusive stage waits for its holder to answer (`Stage.exclusive`)."""
 ACK_WAIT_REFRESH_S = 30.0
 """How often a loop reads its consumer's `ack_wait` back from the server: it touches what it holds
 at a quarter of the shorter of that and its own definition's, so a replica of an older release, or
 one whose `ACK_WAIT_S` differs, never lets a shorter wait set by another replica run out."""
-RECONNECT_GRACE_S = 2.0
-"""After this replica reconnected, how long "no responders" on a hold subject is not believed: a
-restarted nats-server's clients come back one by one (each tries every 0.5 s), and a holder not
-back yet has no subscription for a moment — its message is put back until the grace is over and
-asked about again then."""
 
 CANCEL_GRACE_S = 10.0
 """How long `stop` waits for cancelled handlers to end before it gives up on them (and logs where
@@ -106,7 +98,7 @@ class Stage:
     it holds one of them as well as one of this stage's `concurrency` (None: `concurrency` alone)."""
     exclusive: bool = False
     """Never handle a message twice at once: while a replica handles one it answers on the message's
-    hold subject (`subjects.hold_subject`), and a redelivery is first checked there — when its
+    hold subject (`holds.py`), and a redelivery is first checked there — when its
     holder answers, or cannot answer in time (a stopped or starved process), the redelivery is left
     to it (touched with `in_progress`, neither acked nor naked); only nats-server's "no responders"
     (the holder's connection is gone; not believed in the few seconds after this replica
@@ -218,7 +210,7 @@ class ConsumerLoop:
         """The `ack_wait` held messages are touched against (see `ACK_WAIT_REFRESH_S`)."""
         self._ticker: asyncio.Task[None] | None = None
         self._refill_scheduled = False
-        self._reconnected_at = -RECONNECT_GRACE_S
+        self._holds = Holds(nc, stage.consumer)
         self._stopping = False
         self._idle = asyncio.Event()
         self._idle.set()
@@ -284,7 +276,7 @@ class ConsumerLoop:
 
     def reset_requests(self) -> None:
         """Forget outstanding pull requests (after a reconnect) and pull afresh."""
-        self._reconnected_at = time.monotonic()
+        self._holds.reconnected()
         self._requests.clear()
         self._schedule_refill()
 
@@ -436,9 +428,9 @@ class ConsumerLoop:
         None when another replica still holds it (left to it, touched) or the probe could not be
         made (put back with a delay)."""
         try:
-            if num_delivered > 1 and await self._held_elsewhere(stream_seq, num_delivered):
+            if num_delivered > 1 and await self._holds.held_elsewhere(stream_seq, num_delivered):
                 self._outcomes["held"].inc()
-                grace = self._grace_left()
+                grace = self._holds.grace_left()
                 with contextlib.suppress(Exception):
                     if grace > 0:  # maybe nobody holds it: asked again as soon as the grace is over
                         await msg.nak(delay=grace)
@@ -446,9 +438,7 @@ class ConsumerLoop:
                         await msg.in_progress()  # its holder's own touches keep it from here on
                 self._release()
                 return None
-            return await self._nc.subscribe(
-                hold_subject(self._consumer.stream, self._consumer.durable, stream_seq), cb=_answer_hold
-            )
+            return await self._holds.hold(stream_seq)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await msg.nak()
@@ -554,45 +544,6 @@ class ConsumerLoop:
             self._handle_hist.observe(time.monotonic() - started)
             delivery.release_slot()
 
-    def _grace_left(self) -> float:
-        """Seconds of `RECONNECT_GRACE_S` left since this replica last reconnected (0: none)."""
-        return max(0.0, RECONNECT_GRACE_S - (time.monotonic() - self._reconnected_at))
-
-    async def _held_elsewhere(self, stream_seq: int, num_delivered: int) -> bool:
-        """Whether a replica still handles the message at `stream_seq` (a redelivery of an exclusive
-        stage): its hold subject answers, or nobody answers within `HOLD_PROBE_TIMEOUT_S` (a holder
-        that is stopped or starved still holds it); False only on "no responders", and not in the
-        `RECONNECT_GRACE_S` after this replica reconnected."""
-        subject = hold_subject(self._consumer.stream, self._consumer.durable, stream_seq)
-        try:
-            await self._nc.request(subject, b"", timeout=HOLD_PROBE_TIMEOUT_S)
-        except nats.errors.NoRespondersError:
-            grace = self._grace_left()
-            if grace > 0:
-                log.warning(
-                    "%s: seq %d (delivery %d) has no holder, but this replica reconnected only now and its "
-                    "holder may not be back yet: asked again in %.1fs",
-                    self._label,
-                    stream_seq,
-                    num_delivered,
-                    grace,
-                )
-                return True
-            return False
-        except nats.errors.TimeoutError:
-            log.warning(
-                "%s: seq %d (delivery %d) is held by a replica that did not answer within %gs: left to it",
-                self._label,
-                stream_seq,
-                num_delivered,
-                HOLD_PROBE_TIMEOUT_S,
-            )
-            return True
-        log.info(
-            "%s: seq %d (delivery %d) is still held by a replica: left to it", self._label, stream_seq, num_delivered
-        )
-        return True
-
     async def _settled(self, event: Any) -> bool:
         """Whether a redelivered `event` was handled before: one of its stage's `settled_by`
         outputs is stored."""
@@ -665,7 +616,7 @@ class ConsumerLoop:
         subject, headers = raw.subject or "", dict(raw.headers or {})
         if await self._exhausted_but_settled(data, seq):
             return
-        if self._stage.exclusive and await self._held_elsewhere(seq, deliveries):
+        if self._stage.exclusive and await self._holds.held_elsewhere(seq, deliveries):
             # Its deliveries ran out while a stalled holder kept it (each one left to the holder):
             # watched until it settles; dead-lettered if the holder goes without storing its output.
             log.warning("%s: seq %d ran out of deliveries while a replica still holds it: watched", self._label, seq)
@@ -687,7 +638,7 @@ class ConsumerLoop:
             await asyncio.sleep(self._ack_wait_s)
             if await self._exhausted_but_settled(data, seq):
                 return
-            if not await self._held_elsewhere(seq, deliveries):
+            if not await self._holds.held_elsewhere(seq, deliveries):
                 break
         await self._dead_letter_exhausted(seq, deliveries, data.decode("utf-8", errors="replace"), subject, headers)
 
@@ -724,12 +675,6 @@ def _letter_payload(data: bytes, nc: NatsClient) -> str:
         return text
     keep = max(0, (limit - _LETTER_ROOM) // 2)
     return text[:keep] + f"... [{len(data) - keep} more bytes: read the original at its stream sequence]"
-
-
-async def _answer_hold(msg: Msg) -> None:
-    """A probe of a message this replica holds: yes (any answer will do)."""
-    with contextlib.suppress(Exception):
-        await msg.respond(b"")
 
 
 def _ack_fields(reply: str) -> tuple[int, int]:
