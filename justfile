@@ -7,6 +7,7 @@ set shell := ["bash", "-euo", "pipefail", "-c"]
 uv := env("UV", "uv")
 run := uv + " run --frozen"
 code := "libs services src tests bench examples"
+test_workers := env("EVALBUS_TEST_WORKERS", "2")
 
 # List the recipes.
 default:
@@ -30,9 +31,10 @@ demo:
     {{run}} evalbus run examples/suite.yaml
     @echo "The stack stays up (evalbus tail / verify / rejudge / replay work on it); stop it with: just down"
 
-# The whole test suite (unit, integration, e2e).
+# The whole test suite (unit, integration, e2e), each test file on one of
+# EVALBUS_TEST_WORKERS (default 2) pytest-xdist workers; `-n 0` after it runs in one process.
 test *args:
-    {{run}} python -m pytest {{args}}
+    {{run}} python -m pytest -n {{test_workers}} --dist loadfile {{args}}
 
 # Unit tests only (no servers).
 test-fast *args:

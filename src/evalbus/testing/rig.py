@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -14,6 +15,25 @@ import pytest
 
 from evalbus.infra.nats import STOCK_MAX_PAYLOAD, NatsServer, start_nats, start_nats_cluster
 from evalbus.infra.postgres import create_database, drop_database, start_embedded_postgres
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Give every test a node id of its own. schemathesis names each API operation's item
+    `test[GET /path]` but, under pytest 9, leaves them all the function's node id; pytest-xdist
+    schedules by node id and would run one operation of each such test and drop the rest."""
+    seen = Counter(item.nodeid for item in items)
+    for item in items:
+        if seen[item.nodeid] > 1 and item.parent is not None:
+            unique_id = f"{item.parent.nodeid}::{item.name}"
+            # pytest 9 keeps a node's id as a structured `NodeId` (`_id`); older ones as `_nodeid`.
+            ident = getattr(item, "_id", None)
+            if ident is not None and hasattr(type(ident), "parse"):
+                item._id = type(ident).parse(unique_id)
+            else:
+                item._nodeid = unique_id  # type: ignore[attr-defined]
+    shared = sorted(nodeid for nodeid, n in Counter(item.nodeid for item in items).items() if n > 1)
+    if shared:
+        raise pytest.UsageError(f"tests share node ids (pytest-xdist would run only one of each): {shared[:5]}")
 
 
 @pytest.fixture(scope="session")
