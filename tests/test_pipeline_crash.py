@@ -80,6 +80,7 @@ from evalbus.testing.pipeline import (
     differences,
     eventually,
     open_pipeline,
+    pid_alive,
     task,
     wait_path,
     without_metrics,
@@ -324,16 +325,6 @@ def open_gates(root: Path) -> Gates:
     gates.harness.touch()
     gates.judge.touch()
     return gates
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 Scenario = Callable[[Pipeline, CrashRun, Gates, str, OtlpReceiver], Awaitable[None]]

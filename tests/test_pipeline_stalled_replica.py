@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from evalbus.testing.judges import waiting_marker
-from evalbus.testing.pipeline import agent_harness, eventually, open_pipeline, task
+from evalbus.testing.pipeline import agent_harness, eventually, open_pipeline, pid_alive, task
 from evalbus_contracts import BatchSpec, CaseSpec, ExactJudge, RegisteredJudge, SuiteSpec, batch_run_id
 
 pytestmark = [pytest.mark.e2e]
@@ -85,14 +85,6 @@ async def test_a_frozen_judge_replica_keeps_its_case_and_it_is_judged_once(pg_ad
         assert {k: store[k] for k in want} == want
         runs = await p.runs(batch_id)
         assert all(r.verdict == "pass" for r in runs.values()), {c: r.verdict for c, r in runs.items()}
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 async def test_a_killed_dispatchers_case_runs_again_on_the_surviving_replica(pg_admin_url: str, tmp_path: Path) -> None:

@@ -104,6 +104,20 @@ async def unused(_event: Any, _delivery: Delivery) -> Sequence[EventBase]:
     raise AssertionError("replaced by each replica's handler")
 
 
+async def stalled_holder_beside(
+    a: Replica, b: Replica, nats_url: str, stage: Stage, pub: Publisher, batch: str
+) -> None:
+    """Replica A takes c1 and never touches it (its ticker cancelled), so c1 outlives the server's
+    ack wait; then B starts beside it."""
+    await a.start(nats_url, stage)
+    assert a.loop is not None
+    assert a.loop._ticker is not None
+    await cancel_and_wait(a.loop._ticker)
+    await pub.publish_event(request(batch, "c1"))
+    await eventually(lambda: a.started == [1], timeout_s=10, what="replica A to take c1")
+    await b.start(nats_url, stage)
+
+
 @pytest.mark.parametrize("exclusive", [True, False], ids=["exclusive", "control"])
 async def test_a_holder_that_misses_its_ack_wait_is_not_joined_by_a_second_run(
     bus: tuple[NatsClient, Publisher], nats_url: str, exclusive: bool
@@ -122,13 +136,7 @@ async def test_a_holder_that_misses_its_ack_wait_is_not_joined_by_a_second_run(
     release = asyncio.Event()
     a, b = Replica("replica-a", release), Replica("replica-b", release)
     try:
-        await a.start(nats_url, stage)
-        assert a.loop is not None
-        assert a.loop._ticker is not None
-        await cancel_and_wait(a.loop._ticker)  # A now never touches what it holds
-        await pub.publish_event(request(batch, "c1"))
-        await eventually(lambda: a.started == [1], timeout_s=10, what="replica A to take c1")
-        await b.start(nats_url, stage)
+        await stalled_holder_beside(a, b, nats_url, stage, pub, batch)
         if exclusive:
             # redelivered to B (A has no free slot) after 1.5 s; B's probe is answered by A
             await eventually(lambda: b.outcomes("held") >= 1, timeout_s=10, what="B to leave c1 to A")
@@ -320,13 +328,7 @@ async def test_a_case_that_ran_out_of_deliveries_while_its_holder_stalled_is_wat
     release = asyncio.Event()
     a, b = Replica("replica-a", release, service), Replica("replica-b", release, service)
     try:
-        await a.start(nats_url, stage)
-        assert a.loop is not None
-        assert a.loop._ticker is not None
-        await cancel_and_wait(a.loop._ticker)  # A now never touches what it holds
-        await pub.publish_event(request(batch, "c1"))
-        await eventually(lambda: a.started == [1], timeout_s=10, what="replica A to take c1")
-        await b.start(nats_url, stage)
+        await stalled_holder_beside(a, b, nats_url, stage, pub, batch)
 
         def logged(text: str) -> bool:
             return any(text in r.getMessage() for r in caplog.records)

@@ -16,13 +16,12 @@ stream and in the event store; every trajectory sealed and intact.
 
 from __future__ import annotations
 
-import os
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from evalbus.testing.pipeline import eventually, open_pipeline, wait_path
+from evalbus.testing.pipeline import eventually, open_pipeline, pid_alive, wait_path
 from evalbus_contracts import BatchSpec, CaseSpec, ExactJudge, HarnessSpec, SuiteSpec, batch_run_id
 from evalbus_contracts.streams import DISPATCHER_CASES
 
@@ -57,16 +56,6 @@ def solve(case, ctx):
 def read_pid(path: Path) -> int:
     """The pid an agent wrote (sync: a test's read, not I/O on the loop's hot path)."""
     return int(path.read_text())
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 async def test_dispatcher_killed_mid_batch_with_warm_workers_loses_and_doubles_nothing(

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import sys
 import time
 import typing
@@ -155,6 +156,18 @@ async def eventually(
 async def wait_path(path: Path, *, timeout_s: float = 30.0) -> None:
     """Wait until `path` exists."""
     await eventually(path.exists, timeout_s=timeout_s, what=f"{path} to exist")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (an agent or worker a killed service left behind); a zombie
+    counts as existing."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 # ---------------------------------------------------------------- what the stream holds
