@@ -238,3 +238,56 @@ async def test_an_output_over_max_payload_is_dead_lettered_at_once_not_retried(s
             await pub.stop()
     finally:
         await nc.close()
+
+
+@integration
+async def test_an_exhausted_message_too_big_to_copy_whole_is_dead_lettered_with_its_head(stock_bus: NatsClient) -> None:
+    """A message near `max_payload` that runs out of deliveries: its letter (the message escaped
+    once more, plus a reason, headers and an envelope) would not fit, so it carries the message's
+    head and says where the original is, as a poison letter does. (Before, the copy was whole: the
+    letter's publish was refused as too large and the message was never dead-lettered — tried.)"""
+    nc = stock_bus
+    pub = Publisher(nc)
+    await pub.start()
+    batch = f"b{uuid.uuid4().hex[:8]}"
+    service = f"w{batch}"
+    consumer = make_consumer(batch, ack_wait_s=0.5, max_deliver=2)
+    await ensure_consumer(nc.jetstream(), consumer)
+
+    async def never(event: object, delivery: object) -> None:
+        raise AssertionError("the advisory listener must not pull")
+
+    # A loop with no handler slots only listens for advisories.
+    listener = ConsumerLoop(
+        nc,
+        pub,
+        Stage(consumer=consumer, handler=never, concurrency=0),
+        service=service,
+        metrics=ServiceMetrics(service),
+    )
+    await listener.start()
+    try:
+        # Quotes: two bytes each in the message, four in a letter that escapes the message again.
+        envelope = len(encode(request(batch, "c1", text="")))
+        big = request(batch, "c1", text='"' * ((STOCK_MAX_PAYLOAD - envelope - 1024) // 2))
+        await pub.publish_event(big)
+        psub = await nc.jetstream().pull_subscribe_bind(durable=consumer.durable, stream="CASES")
+        for _ in range(2):  # take it twice and never answer
+            assert len(await psub.fetch(1, timeout=5)) == 1
+        with pytest.raises(TimeoutError):  # a waiting request makes the server notice the exhaustion
+            await psub.fetch(1, timeout=2)
+
+        async def lettered() -> bool:
+            return bool(await dead_letters(nc, service))
+
+        await eventually(lettered, timeout_s=20, what="the exhausted message's dead letter")
+        [letter] = await dead_letters(nc, service)
+        assert letter.reason.startswith("max_deliver exhausted")
+        assert letter.payload.startswith('{"')
+        assert letter.payload.endswith("more bytes: read the original at its stream sequence]")
+        assert letter.stream_seq is not None
+        original = await nc.jetstream().get_msg("CASES", letter.stream_seq)
+        assert decode(original.data or b"", CaseRequested).case.input == big.case.input
+    finally:
+        await listener.stop(1)
+        await pub.stop()

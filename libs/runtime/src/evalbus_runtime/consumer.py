@@ -204,8 +204,8 @@ class ConsumerLoop:
         self._refills: set[asyncio.Future[None]] = set()
         """Pull requests being sent (kept: the event loop holds only weak references to tasks)."""
         self._beat: dict[int, tuple[Msg, float]] = {}
-        self._watches: dict[asyncio.Task[None], tuple[int, int, str, str, dict[str, str]]] = {}
-        """Exhausted messages a replica still holds (`_watch_exhausted`), with their letters' fields."""
+        self._watches: dict[asyncio.Task[None], _Exhausted] = {}
+        """Exhausted messages a replica still holds (`_watch_exhausted`)."""
         self._ack_wait_s = stage.consumer.ack_wait_s
         """The `ack_wait` held messages are touched against (see `ACK_WAIT_REFRESH_S`)."""
         self._ticker: asyncio.Task[None] | None = None
@@ -256,12 +256,14 @@ class ConsumerLoop:
                     )
         if self._ticker is not None:
             await cancel_and_wait(self._ticker)
-        for watch, (seq, deliveries, payload, subject, headers) in list(self._watches.items()):
+        for watch, exhausted in list(self._watches.items()):
             # stopping: no replica of ours will look again, so what is unsettled goes to the DLQ now
             watch.cancel()
             await asyncio.wait({watch}, timeout=CANCEL_GRACE_S)
-            if not await self._exhausted_but_settled(payload.encode(), seq):
-                await self._dead_letter_exhausted(seq, deliveries, payload, subject, headers)
+            if watch.done() and not watch.cancelled():
+                continue  # it had settled or dead-lettered it already
+            if not await self._exhausted_but_settled(exhausted):
+                await self._dead_letter_exhausted(exhausted)
         for sub in (self._sub, self._adv_sub):
             if sub is not None:
                 with contextlib.suppress(Exception):
@@ -584,17 +586,19 @@ class ConsumerLoop:
         with contextlib.suppress(Exception):
             await msg.term()
 
-    async def _exhausted_but_settled(self, data: bytes, seq: int) -> bool:
+    async def _exhausted_but_settled(self, exhausted: _Exhausted) -> bool:
         """Whether a message that ran out of deliveries was handled all the same: its stage's
         `settled_by` output is stored (a holder that lost its deliveries while it stalled — each
         one left to it by an exclusive stage — and then finished). Then it needs no dead letter."""
         try:
-            event = self._stage.decode(data)
+            event = self._stage.decode(exhausted.data)
             settled = await self._settled(event)
         except Exception:  # undecodable, or the lookup failed: dead-lettered as before
             return False
         if settled:
-            log.info("%s: seq %d ran out of deliveries but its output is stored: no dead letter", self._label, seq)
+            log.info(
+                "%s: seq %d ran out of deliveries but its output is stored: no dead letter", self._label, exhausted.seq
+            )
         return settled
 
     async def _on_advisory(self, msg: Msg) -> None:
@@ -609,57 +613,63 @@ class ConsumerLoop:
             raw = await self._nc.jetstream().get_msg(self._consumer.stream, seq)
         except Exception as e:
             log.warning("max deliveries for seq %d but it cannot be read: %s", seq, e)
-            await self._dead_letter_exhausted(seq, deliveries, "", "", {})
+            await self._dead_letter_exhausted(_Exhausted(seq, deliveries))
             return
-        data = raw.data or b""
-        payload = data.decode("utf-8", errors="replace")
-        subject, headers = raw.subject or "", dict(raw.headers or {})
-        if await self._exhausted_but_settled(data, seq):
+        exhausted = _Exhausted(seq, deliveries, raw.data or b"", raw.subject or "", dict(raw.headers or {}))
+        if await self._exhausted_but_settled(exhausted):
             return
         if self._stage.exclusive and await self._holds.held_elsewhere(seq, deliveries):
             # Its deliveries ran out while a stalled holder kept it (each one left to the holder):
             # watched until it settles; dead-lettered if the holder goes without storing its output.
             log.warning("%s: seq %d ran out of deliveries while a replica still holds it: watched", self._label, seq)
-            watch = asyncio.create_task(self._watch_exhausted(seq, deliveries, data, subject, headers))
-            self._watches[watch] = (seq, deliveries, payload, subject, headers)
+            watch = asyncio.create_task(self._watch_exhausted(exhausted))
+            self._watches[watch] = exhausted
             watch.add_done_callback(self._end_watch)
             return
-        await self._dead_letter_exhausted(seq, deliveries, payload, subject, headers)
+        await self._dead_letter_exhausted(exhausted)
 
     def _end_watch(self, task: asyncio.Task[None]) -> None:
         self._watches.pop(task, None)
 
-    async def _watch_exhausted(
-        self, seq: int, deliveries: int, data: bytes, subject: str, headers: dict[str, str]
-    ) -> None:
+    async def _watch_exhausted(self, exhausted: _Exhausted) -> None:
         """An exhausted message a replica still holds: looked at every `ack_wait` until its output
         is stored (no dead letter) or nobody holds it any more (dead-lettered)."""
         while True:
             await asyncio.sleep(self._ack_wait_s)
-            if await self._exhausted_but_settled(data, seq):
+            if await self._exhausted_but_settled(exhausted):
                 return
-            if not await self._holds.held_elsewhere(seq, deliveries):
+            if not await self._holds.held_elsewhere(exhausted.seq, exhausted.deliveries):
                 break
-        await self._dead_letter_exhausted(seq, deliveries, data.decode("utf-8", errors="replace"), subject, headers)
+        await self._dead_letter_exhausted(exhausted)
 
-    async def _dead_letter_exhausted(
-        self, seq: int, deliveries: int, payload: str, subject: str, headers: dict[str, str]
-    ) -> None:
+    async def _dead_letter_exhausted(self, exhausted: _Exhausted) -> None:
         letter = DeadLetter(
             service=self._service,
-            reason=f"max_deliver exhausted: {deliveries} deliveries without an answer",
-            subject_=subject,
+            reason=f"max_deliver exhausted: {exhausted.deliveries} deliveries without an answer",
+            subject_=exhausted.subject,
             stream=self._consumer.stream,
-            stream_seq=seq,
-            deliveries=deliveries,
-            payload=payload,
-            headers=headers,
+            stream_seq=exhausted.seq,
+            deliveries=exhausted.deliveries,
+            payload=_letter_payload(exhausted.data, self._nc),
+            headers=exhausted.headers,
         )
         try:
             await self._pub.publish_event(letter)
             self._metrics.dead_letters.labels(self._label, "max_deliver").inc()
         except PublishFailedError:
-            log.error("could not dead-letter exhausted seq %d", seq)
+            log.error("could not dead-letter exhausted seq %d", exhausted.seq)
+
+
+@dataclass(frozen=True, slots=True)
+class _Exhausted:
+    """A message that ran out of deliveries, as its dead letter carries it (empty when it could not
+    be read back)."""
+
+    seq: int
+    deliveries: int
+    data: bytes = b""
+    subject: str = ""
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 _LETTER_ROOM = 16 * 1024
