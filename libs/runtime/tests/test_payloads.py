@@ -11,6 +11,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client as NatsClient
 
+from evalbus.cli.dlq import read_letters, redrive_letter
 from evalbus.infra.nats import STOCK_MAX_PAYLOAD, NatsServer
 from evalbus.testing.bus import dead_letters, make_consumer, request
 from evalbus.testing.pipeline import eventually
@@ -244,8 +245,9 @@ async def test_an_output_over_max_payload_is_dead_lettered_at_once_not_retried(s
 async def test_an_exhausted_message_too_big_to_copy_whole_is_dead_lettered_with_its_head(stock_bus: NatsClient) -> None:
     """A message near `max_payload` that runs out of deliveries: its letter (the message escaped
     once more, plus a reason, headers and an envelope) would not fit, so it carries the message's
-    head and says where the original is, as a poison letter does. (Before, the copy was whole: the
-    letter's publish was refused as too large and the message was never dead-lettered — tried.)"""
+    head and says where the original is, as a poison letter does; a redrive publishes the original
+    from the stream. (Before, the copy was whole: the letter's publish was refused as too large and
+    the message was never dead-lettered — tried.)"""
     nc = stock_bus
     pub = Publisher(nc)
     await pub.start()
@@ -288,6 +290,17 @@ async def test_an_exhausted_message_too_big_to_copy_whole_is_dead_lettered_with_
         assert letter.stream_seq is not None
         original = await nc.jetstream().get_msg("CASES", letter.stream_seq)
         assert decode(original.data or b"", CaseRequested).case.input == big.case.input
+        assert letter.payload_cut()
+
+        # `evalbus dlq redrive` publishes the original whole, read from the stream; once the stream
+        # has lost it, a letter holding only the head is refused rather than redriven cut.
+        [stored] = await read_letters(nc, service)
+        redriven = await nc.jetstream().get_msg("CASES", await redrive_letter(nc, stored))
+        assert redriven.data == original.data
+        assert redriven.subject == original.subject
+        await nc.jetstream().delete_msg("CASES", letter.stream_seq)
+        with pytest.raises(ValueError, match="holds only the head of its message"):
+            await redrive_letter(nc, stored)
     finally:
         await listener.stop(1)
         await pub.stop()

@@ -6,7 +6,9 @@
 
 A letter is a message a service could not handle (poison, or `max_deliver` exhausted), copied to
 `dlq.<service>` with the reason before the original was terminated. `redrive` publishes the
-original payload again on its original subject, with its original headers except `Nats-Msg-Id`,
+original message again on its original subject (read from its stream while the stream has it; a
+letter of a message too big to copy whole holds only its head), with its original headers except
+`Nats-Msg-Id`,
 which becomes `<original id>:redrive:<letter seq>` — so the stream does not drop it as a duplicate
 of the original, and redriving the same letter twice (within the duplicate window) stores it once.
 The letter stays in the DLQ as the record of what happened. Exit codes: 0 done, 1 the bus failed or
@@ -88,15 +90,36 @@ async def read_letters(nc: NatsClient, service: str | None = None) -> list[Store
     return out
 
 
+async def original_bytes(nc: NatsClient, letter: DeadLetter) -> bytes | None:
+    """The original message's bytes, read from its stream while the stream still holds it (a letter
+    carries only the head of a message too big to copy whole, and non-UTF-8 bytes replaced)."""
+    if letter.stream is None or letter.stream_seq is None:
+        return None
+    try:
+        msg = await nc.jetstream().get_msg(letter.stream, letter.stream_seq)
+    except nats.errors.Error:
+        return None
+    return msg.data if msg.subject == letter.subject_ and msg.data is not None else None
+
+
 async def redrive_letter(nc: NatsClient, stored: StoredLetter) -> int:
-    """Publish a letter's original message again; the stream sequence it was stored at."""
+    """Publish a letter's original message again — the stream's copy when it still has it, else the
+    letter's — and return the stream sequence it was stored at."""
     letter = stored.letter
     if not letter.subject_:
         raise ValueError(f"letter {stored.seq} has no original subject")
+    payload = await original_bytes(nc, letter)
+    if payload is None:
+        if letter.payload_cut():
+            raise ValueError(
+                f"letter {stored.seq} holds only the head of its message, and {letter.stream} no longer has the "
+                f"original at seq {letter.stream_seq}: nothing whole to redrive"
+            )
+        payload = letter.payload.encode("utf-8")
     headers = dict(letter.headers)
     original = headers.get("Nats-Msg-Id") or f"dlq:{letter.service}:{letter.stream}:{letter.stream_seq}"
     headers["Nats-Msg-Id"] = f"{original}:redrive:{stored.seq}"
-    ack = await nc.jetstream().publish(letter.subject_, letter.payload.encode("utf-8"), headers=headers)
+    ack = await nc.jetstream().publish(letter.subject_, payload, headers=headers)
     return int(ack.seq)
 
 

@@ -527,6 +527,11 @@ class SuiteBaselineSet(_Event, frozen=True, kw_only=True, tag="suite.baseline.se
         return f"{self.type}:{self.suite_id}:{self.event_id}"
 
 
+LETTER_CUT_MARK = " more bytes: read the original at its stream sequence]"
+"""How a dead letter's `payload` ends when it holds only the head of a message too big to copy
+whole: `<head>... [<n> more bytes: read the original at its stream sequence]`."""
+
+
 class DeadLetter(_Event, frozen=True, kw_only=True, tag="dlq"):
     """A message a service could not handle, with the reason and the raw payload."""
 
@@ -543,9 +548,14 @@ class DeadLetter(_Event, frozen=True, kw_only=True, tag="dlq"):
     deliveries: int | None = None
     """Delivery count when it was given up."""
     payload: str = ""
-    """Original payload (UTF-8, undecodable bytes replaced)."""
+    """Original payload (UTF-8, undecodable bytes replaced; only its head when the whole would not
+    fit a message, see `payload_cut`)."""
     headers: dict[str, str] = msgspec.field(default_factory=dict)
     """Original headers."""
+
+    def payload_cut(self) -> bool:
+        """Whether `payload` is only the original's head (`LETTER_CUT_MARK`)."""
+        return self.payload.endswith(LETTER_CUT_MARK)
 
     def subject(self) -> str:
         return s.dlq_subject(self.service)

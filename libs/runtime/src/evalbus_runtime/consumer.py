@@ -42,7 +42,7 @@ from nats.aio.subscription import Subscription
 
 from evalbus_contracts import DeadLetter, decode_event
 from evalbus_contracts.codec import NewerSchemaError
-from evalbus_contracts.events import EventBase, EventKey, stage_output_key
+from evalbus_contracts.events import LETTER_CUT_MARK, EventBase, EventKey, stage_output_key
 from evalbus_contracts.streams import ConsumerDef, max_deliveries_advisory
 from evalbus_runtime.errors import PayloadTooLargeError, Poison, PublishFailedError, Retry
 from evalbus_runtime.faults import NO_FAULTS, FaultPoint, Faults
@@ -684,7 +684,7 @@ def _letter_payload(data: bytes, nc: NatsClient) -> str:
     if not limit or len(data) * 2 + _LETTER_ROOM <= limit:  # JSON escaping may double it
         return text
     keep = max(0, (limit - _LETTER_ROOM) // 2)
-    return text[:keep] + f"... [{len(data) - keep} more bytes: read the original at its stream sequence]"
+    return text[:keep] + f"... [{len(data) - keep}{LETTER_CUT_MARK}"
 
 
 def _ack_fields(reply: str) -> tuple[int, int]:
