@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from evalbus.testing.bus import Marks, Workers, dead_letters, executed_count, make_consumer, request
+from evalbus.testing.bus import (
+    Marks,
+    Workers,
+    advisory_listener,
+    dead_letters,
+    executed_count,
+    exhaust,
+    make_consumer,
+    request,
+)
 from evalbus.testing.pipeline import eventually
 from evalbus_contracts.streams import ConsumerDef
 from evalbus_contracts.subjects import case_subject
@@ -176,7 +185,7 @@ async def test_exhausted_deliveries_without_answer_are_dead_lettered_from_the_ad
 ) -> None:
     """A worker that never answers (crashes every time) exhausts max_deliver; the chassis copies
     the message to the DLQ from JetStream's advisory."""
-    from evalbus_runtime import ConsumerLoop, ServiceMetrics, Stage, connect
+    from evalbus_runtime import connect
     from evalbus_runtime.bus import ensure_consumer
 
     nc, pub = bus
@@ -184,32 +193,11 @@ async def test_exhausted_deliveries_without_answer_are_dead_lettered_from_the_ad
     service = f"w{batch}"
     consumer = make_consumer(batch, ack_wait_s=0.5, max_deliver=2)
     await ensure_consumer(nc.jetstream(), consumer)
-
-    async def never(event: object, delivery: object) -> None:
-        raise AssertionError("the advisory listener must not pull")
-
-    # A loop with no handler slots only listens for advisories.
-    listener = ConsumerLoop(
-        nc,
-        pub,
-        Stage(consumer=consumer, handler=never, concurrency=0),
-        service=service,
-        metrics=ServiceMetrics(service),
-    )
-    await listener.start()
+    listener = await advisory_listener(nc, pub, consumer, service)
     raw = await connect(nats_url, "crasher")
     try:
         await pub.publish_event(request(batch, "c1"))
-        psub = await raw.jetstream().pull_subscribe_bind(durable=consumer.durable, stream="CASES")
-        seen = 0
-        for _ in range(2):  # take the message twice and never answer
-            msgs = await psub.fetch(1, timeout=5)
-            seen += len(msgs)
-        assert seen == 2
-        # The server notices the exhaustion when it next tries to deliver: keep a request waiting
-        # (as every live replica does); it must come back empty.
-        with pytest.raises(TimeoutError):
-            await psub.fetch(1, timeout=2)
+        await exhaust(raw, consumer, 2)
 
         async def dead_lettered() -> bool:
             return bool(await dead_letters(nc, service))

@@ -13,7 +13,7 @@ from nats.aio.client import Client as NatsClient
 
 from evalbus.cli.dlq import read_letters, redrive_letter
 from evalbus.infra.nats import STOCK_MAX_PAYLOAD, NatsServer
-from evalbus.testing.bus import dead_letters, make_consumer, request
+from evalbus.testing.bus import advisory_listener, dead_letters, exhaust, make_consumer, request
 from evalbus.testing.pipeline import eventually
 from evalbus_contracts import (
     Artifact,
@@ -255,29 +255,13 @@ async def test_an_exhausted_message_too_big_to_copy_whole_is_dead_lettered_with_
     service = f"w{batch}"
     consumer = make_consumer(batch, ack_wait_s=0.5, max_deliver=2)
     await ensure_consumer(nc.jetstream(), consumer)
-
-    async def never(event: object, delivery: object) -> None:
-        raise AssertionError("the advisory listener must not pull")
-
-    # A loop with no handler slots only listens for advisories.
-    listener = ConsumerLoop(
-        nc,
-        pub,
-        Stage(consumer=consumer, handler=never, concurrency=0),
-        service=service,
-        metrics=ServiceMetrics(service),
-    )
-    await listener.start()
+    listener = await advisory_listener(nc, pub, consumer, service)
     try:
         # Quotes: two bytes each in the message, four in a letter that escapes the message again.
         envelope = len(encode(request(batch, "c1", text="")))
         big = request(batch, "c1", text='"' * ((STOCK_MAX_PAYLOAD - envelope - 1024) // 2))
         await pub.publish_event(big)
-        psub = await nc.jetstream().pull_subscribe_bind(durable=consumer.durable, stream="CASES")
-        for _ in range(2):  # take it twice and never answer
-            assert len(await psub.fetch(1, timeout=5)) == 1
-        with pytest.raises(TimeoutError):  # a waiting request makes the server notice the exhaustion
-            await psub.fetch(1, timeout=2)
+        await exhaust(nc, consumer, 2)
 
         async def lettered() -> bool:
             return bool(await dead_letters(nc, service))

@@ -28,7 +28,7 @@ from evalbus_contracts import (
     decode_event,
 )
 from evalbus_contracts.streams import ConsumerDef
-from evalbus_runtime import Publisher, connect, ensure_topology
+from evalbus_runtime import ConsumerLoop, Publisher, ServiceMetrics, Stage, connect, ensure_topology
 
 WORKER = Path(__file__).resolve().parents[3] / "libs" / "runtime" / "tests" / "worker.py"
 
@@ -216,3 +216,33 @@ async def window_passed(nc: NatsClient) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("timed out waiting for the duplicate window to forget the probe's id")
         await asyncio.sleep(0.1)
+
+
+async def advisory_listener(nc: NatsClient, pub: Publisher, consumer: ConsumerDef, service: str) -> ConsumerLoop:
+    """A started chassis loop with no handler slots on `consumer`: it pulls nothing and only
+    dead-letters, from JetStream's advisory, what runs out of deliveries."""
+
+    async def never(_event: object, _delivery: object) -> None:
+        raise AssertionError("the advisory listener must not pull")
+
+    loop = ConsumerLoop(
+        nc,
+        pub,
+        Stage(consumer=consumer, handler=never, concurrency=0),
+        service=service,
+        metrics=ServiceMetrics(service),
+    )
+    await loop.start()
+    return loop
+
+
+async def exhaust(nc: NatsClient, consumer: ConsumerDef, deliveries: int) -> None:
+    """Take `consumer`'s next message `deliveries` times and never answer (a worker that crashes
+    every time), then keep a request waiting, as every live replica does: the server notices the
+    exhaustion when it next tries to deliver, and the request comes back empty."""
+    psub = await nc.jetstream().pull_subscribe_bind(durable=consumer.durable, stream=consumer.stream)
+    for n in range(deliveries):
+        taken = await psub.fetch(1, timeout=5)
+        assert len(taken) == 1, f"delivery {n + 1} of {deliveries} did not come"
+    with pytest.raises(TimeoutError):
+        await psub.fetch(1, timeout=2)
