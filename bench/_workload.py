@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import msgspec
+from nats.js import JetStreamContext
 
 from evalbus_contracts import (
     BatchRequested,
@@ -31,7 +32,15 @@ from evalbus_contracts import (
     batch_run_id,
     utcnow,
 )
+from evalbus_contracts.codec import encode
 from evalbus_contracts.events import EventBase
+from evalbus_contracts.objects import DatasetIndex
+from evalbus_contracts.streams import DATASETS
+from evalbus_runtime.objects import put_object
+
+INLINE_MAX_BYTES = 256 * 1024
+"""A benchmark batch larger than this (encoded) goes out as the gateway would send it: its cases
+as an uploaded dataset the event names (a stock nats-server refuses events over 1 MB)."""
 
 
 def case_ids(n_cases: int) -> list[str]:
@@ -55,6 +64,21 @@ def batch_request(
     )
     spec = BatchSpec(suite=SuiteSpec(id="bench", cases=cases), harness=harness, judges=tuple(judges))
     return BatchRequested(batch_id=batch_id, spec=spec, submitted_by="bench")
+
+
+async def with_dataset(js: JetStreamContext, request: BatchRequested) -> BatchRequested:
+    """`request` itself when it fits in an event; else its cases put in the `datasets` bucket (one
+    `CaseSpec` per line, as `POST /v1/datasets` stores them) and named by `suite.dataset_ref`, with
+    the index the gateway would write once it has validated them (the bench's cases carry no
+    graders, so no objective metrics)."""
+    suite = request.spec.suite
+    if len(encode(request)) <= INLINE_MAX_BYTES:
+        return request
+    lines = b"".join(encode(case) + b"\n" for case in suite.cases)
+    ref = await put_object(js, DATASETS, f"bench/{request.batch_id}.jsonl", lines)
+    index = DatasetIndex(cases=len({case.id for case in suite.cases}))
+    named = msgspec.structs.replace(suite, cases=(), dataset_ref=ref, dataset_index=index)
+    return msgspec.structs.replace(request, spec=msgspec.structs.replace(request.spec, suite=named))
 
 
 def sample_events(batch_id: str, case_id: str, plan: CasePlan, harness: CommandHarness) -> list[EventBase]:

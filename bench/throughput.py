@@ -72,7 +72,7 @@ from bench._relay import run_mode
 from bench._report import fmt, report
 from bench._stats import mean, percentile
 from bench._watch import BatchWatch
-from bench._workload import RULE_JUDGE, ZERO_HARNESS, batch_request, sample_events
+from bench._workload import RULE_JUDGE, ZERO_HARNESS, batch_request, sample_events, with_dataset
 
 from evalbus_contracts import CaseExecuted, CasePlan, CaseRequested, CaseSpec, HarnessSpec
 from evalbus_contracts.events import EventBase
@@ -121,6 +121,7 @@ async def pipeline(infra: Infra, n: int, timeout_s: float, harness: HarnessSpec)
         watch = await BatchWatch(nc, batch_id).start()
         pub = Publisher(nc)
         await pub.start()
+        request = await with_dataset(nc.jetstream(), request)
         t0 = time.monotonic()
         await pub.publish_event(request)
         await watch.wait_for("case.exported", n, timeout_s)
