@@ -88,6 +88,10 @@ async def sample(
     infra: Infra, nc: NatsClient, pids: dict[str, int | None], arrivals: Arrivals, since: float, now: float, t0: float
 ) -> dict[str, Any]:
     info = await nc.jetstream().stream_info("CASES")
+    # nats-py's StreamState drops `num_subjects`: the distinct subjects CASES holds (what
+    # nats-server keeps an entry in memory for), read from the API's own answer.
+    raw = await nc.request("$JS.API.STREAM.INFO.CASES", b"{}", timeout=5.0)
+    subjects = int(json.loads(raw.data).get("state", {}).get("num_subjects", 0))
     live = await nc.jetstream().stream_info("LIVE")  # fills for its first 15 minutes (its max age)
     conn = await asyncpg.connect(infra.database_url)
     try:
@@ -101,6 +105,7 @@ async def sample(
         "rss": {name: rss_bytes(pid) for name, pid in pids.items()},
         "stream_messages": int(info.state.messages),
         "stream_bytes": int(info.state.bytes),
+        "stream_subjects": subjects,
         "live_messages": int(live.state.messages),
         "live_bytes": int(live.state.bytes),
         "events": events,
@@ -292,7 +297,17 @@ def cli() -> None:
     written = write_results(out)
     names = list(out["samples"][0]["rss"]) if out["samples"] else []
     table = [
-        ("minute", "p50 s", "p99 s", "exported", "stream MiB", "LIVE MiB", "store MiB", *[f"{n} MiB" for n in names])
+        (
+            "minute",
+            "p50 s",
+            "p99 s",
+            "exported",
+            "stream MiB",
+            "subjects",
+            "LIVE MiB",
+            "store MiB",
+            *[f"{n} MiB" for n in names],
+        )
     ]
     for s in out["samples"]:
         table.append(
@@ -302,6 +317,7 @@ def cli() -> None:
                 fmt(s["p99_s"], digits=3),
                 str(s["exported_in_window"]),
                 fmt(s["stream_bytes"] / 2**20, digits=1),
+                str(s.get("stream_subjects", "")),
                 fmt(s.get("live_bytes", 0) / 2**20, digits=1),
                 fmt(s["store_bytes"] / 2**20, digits=1),
                 *[fmt((s["rss"].get(n) or 0) / 2**20, digits=0) for n in names],
