@@ -107,6 +107,7 @@ SERVICES: tuple[ServiceUser, ...] = (
             Grant("$KV.terminal-tickets.>", "single-use terminal tickets (streams.TERMINAL_TICKETS)"),
             Grant("$O.datasets.>", "uploaded datasets: chunks and meta (POST /v1/datasets, streams.DATASETS)"),
             Grant("$JS.API.STREAM.PURGE.OBJ_datasets", "the chunks of a refused or replaced upload"),
+            Grant("$JS.API.STREAM.PURGE.CASES", "stream compaction: a finalized batch's events, once all are recorded"),
             Grant(
                 "$JS.API.CONSUMER.INFO.CASES.*",
                 "a queued run's placement: requests its lane's queue (dispatcher-cases[-<lane>]) has not delivered yet",

@@ -13,6 +13,7 @@ import logging
 from evalbus_gateway.api.auth import TokenTable
 from evalbus_gateway.api.mcp import McpEndpoint, loopback_url
 from evalbus_gateway.api.routes import install_api
+from evalbus_gateway.compactor import Compactor
 from evalbus_gateway.database import create_pool
 from evalbus_gateway.errors import GatewayError
 from evalbus_gateway.finalize import Finalizer, finalize_stragglers
@@ -60,7 +61,10 @@ def build_gateway(
         record_with=record_with,
     )
 
+    compactor: Compactor | None = None
+
     async def start(_: Service) -> None:
+        nonlocal compactor
         pool = await create_pool(database_url, min_size=settings.db_pool_min, max_size=settings.db_pool_max)
         try:
             applied = await migrate(pool)
@@ -77,8 +81,19 @@ def build_gateway(
             await finalize_stragglers(pool, service.publisher)
         except Exception as e:  # the next message of the batch, or the next start, finalizes it
             log.warning("start-up finalisation sweep failed: %s: %s", type(e).__name__, e)
+        if settings.stream_compaction:
+            compactor = Compactor(
+                service.js,
+                pool,
+                keep_s=settings.stream_keep_finalized_s,
+                interval_s=settings.stream_compact_interval_s,
+                registry=service.metrics.registry,
+            )
+            compactor.start()
 
     async def stop(_: Service) -> None:
+        if compactor is not None:
+            await compactor.stop()
         await state.streams.close_all()
         if state.mcp is not None:
             await state.mcp.stop()

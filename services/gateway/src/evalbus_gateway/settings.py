@@ -54,3 +54,11 @@ class GatewaySettings(ServiceSettings):
     """How long a terminal ticket is valid (it works once, on any replica)."""
     terminal_ping_s: float = TERMINAL_PING_S
     """Seconds between a live terminal's keep-alives to the dispatcher (one silent for three is gone)."""
+    stream_keep_finalized_s: float = 60.0
+    """How long a finalized batch's events stay on the CASES stream once the event store holds every
+    one of them (`compactor`); then they leave the stream and are read from the store. Bounds
+    nats-server's memory, which holds an entry for every distinct subject (per case)."""
+    stream_compaction: bool = True
+    """Whether this replica compacts the stream (`false`: every event stays on it for ever)."""
+    stream_compact_interval_s: float = 30.0
+    """Seconds between two compaction rounds."""

@@ -242,6 +242,7 @@ async def batch_events(call: Call) -> web.StreamResponse:
         streams=state.streams,
         fanout=state.fanout,
         buffer=state.settings.sse_client_buffer,
+        db=state.pool,
     )
 
 

@@ -6,7 +6,9 @@ last one closes it. A connection first replays the stream from its resume point 
 its own, then joins the feed with no gap and no duplicate. Nothing is kept beyond the open
 connections, so every gateway replica serves the same stream. Frames:
 
-- `id:` the stream sequence, `event:` the event type, `data:` the event JSON as published;
+- `id:` the stream sequence, `event:` the event type, `data:` the event JSON as published — or,
+  for the events of a compacted batch that left the stream (`compactor`), as the event store keeps
+  it (the same JSON value; PostgreSQL's spacing and key order);
 - `Last-Event-ID: n` resumes exactly after sequence n;
 - a `: heartbeat` comment after every quiet `heartbeat_s`;
 - after the batch's `batch.finalized`, `event: end` with `{"batch_id", "status"}`, then the
@@ -21,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 import nats.errors
@@ -35,6 +38,10 @@ from evalbus_contracts.streams import CASES
 from evalbus_gateway.api.reads import finalized_on_stream
 from evalbus_gateway.errors import NotReadyError
 from evalbus_gateway.live.fanout import LAGGING, AbortOnLag, Fanout, FeedSpec, Lagged, Watcher, catch_up
+from evalbus_gateway.store.compaction import compacted, finalized_body, recorded_events
+
+if TYPE_CHECKING:
+    from evalbus_gateway.store.connections import Database
 
 log = logging.getLogger("evalbus.gateway.sse")
 
@@ -152,8 +159,11 @@ async def stream_batch_events(
     streams: EventStreams,
     fanout: Fanout,
     buffer: int,
+    db: Database | None = None,
 ) -> web.StreamResponse:
-    """Serve the batch's events as SSE until its `batch.finalized` (or the client leaves)."""
+    """Serve the batch's events as SSE until its `batch.finalized` (or the client leaves). With
+    `db`, the events of a compacted batch that left the stream (`compactor`) are read from the
+    event store, in the same order and with the same ids (their stream sequences)."""
     if streams.closing():
         raise NotReadyError("the gateway is stopping; reconnect to another replica")
     finalized = await finalized_on_stream(js, batch_id) if last_event_id is not None else None
@@ -175,7 +185,13 @@ async def stream_batch_events(
         if finalized is not None and last_event_id is not None and finalized[0] <= last_event_id:
             await response.write(end_frame(batch_id, finalized[1].status))
             return response
-        await _pump(response, js, fanout, spec, watcher, batch_id, last_event_id or 0, heartbeat_s)
+        after = last_event_id or 0
+        if db is not None:
+            after, final = await _from_store(response, db, batch_id, after)
+            if final is not None:
+                await response.write(end_frame(batch_id, final))
+                return response
+        await _pump(response, js, fanout, spec, watcher, batch_id, after, heartbeat_s)
     except ConnectionResetError:
         pass  # the client left
     except Lagged:
@@ -196,6 +212,32 @@ async def stream_batch_events(
         streams.leave()
         await fanout.leave(spec, watcher)
     return response
+
+
+async def _from_store(
+    response: web.StreamResponse, db: Database, batch_id: str, after: int
+) -> tuple[int, BatchStatus | None]:
+    """Write the events of a compacted batch — the stream no longer holds them — after sequence
+    `after`, from the store; the sequence the stream's replay goes on from, and the batch's final
+    status when it is known (a compacted batch is finalized: its end comes from the store too)."""
+    done = await compacted(db, batch_id)
+    if done is None:
+        return after, None
+    out: list[bytes] = []
+    size = 0
+    for seq, kind, body in await recorded_events(db, batch_id, after=after, before=done.purged_below):
+        out.append(frame(body, event=kind, event_id=seq))
+        size += len(out[-1])
+        if kind == subjects.BATCH_FINALIZED:
+            await response.write(b"".join(out))
+            return seq, final_status(body)
+        if size >= WRITE_BYTES:
+            await response.write(b"".join(out))
+            out, size = [], 0
+    if out:
+        await response.write(b"".join(out))
+    finalized = await finalized_body(db, batch_id)  # before `after`: a client resuming past it
+    return max(after, done.purged_below - 1), None if finalized is None else final_status(finalized)
 
 
 async def _pump(
