@@ -17,8 +17,8 @@ this gateway task:
    is never purged unchecked): its case events and its own `batch.*` events alike. Keeping the
    `batch.*` ones would keep every message block of the stream alive with a few messages in it,
    and nats-server 2.15 holds the record of each message deleted inside a block about as dearly
-   as the subject it saved (measured: /tmp-style runs in the closing note of stop 26 — purging
-   only the case events, nats-server grew faster than with no purge at all);
+   as the subject it saved (`bench/nats_compaction.py`: purging only the case events, nats-server
+   grew faster than with no purge at all; purging every message, it stays flat);
 4. records the compaction (`stream_compactions`): the batch's SSE replay reads its events from the
    store from then on (`api.sse`), and the next round skips it.
 
