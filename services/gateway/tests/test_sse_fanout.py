@@ -22,7 +22,7 @@ from nats.aio.client import Client as NatsClient
 from evalbus.testing.pipeline import eventually
 from evalbus_api.client import SseEvent, SseParser
 from evalbus_contracts import EventBase
-from evalbus_gateway.testing import BatchScript, RunningGateway, batch_spec, member, running_gateway
+from evalbus_gateway.testing import BatchScript, RunningGateway, batch_events, batch_spec, member, running_gateway
 from evalbus_runtime import Publisher
 
 pytestmark = pytest.mark.integration
@@ -68,19 +68,7 @@ async def follow(
     http: aiohttp.ClientSession, gw: RunningGateway, batch_id: str, last_event_id: int | None = None
 ) -> list[SseEvent]:
     """Read the batch's stream to its `end` (which is left out)."""
-    headers = {"Authorization": f"Bearer {ALICE}"}
-    if last_event_id is not None:
-        headers["Last-Event-ID"] = str(last_event_id)
-    parser = SseParser()
-    out: list[SseEvent] = []
-    async with http.get(f"{gw.base_url}/v1/batches/{batch_id}/events", headers=headers) as resp:
-        assert resp.status == 200, await resp.text()
-        async for chunk in resp.content.iter_any():
-            for event in parser.feed(chunk):
-                if event.event == "end":
-                    return out
-                out.append(event)
-    raise AssertionError(f"the stream closed without its end after {len(out)} events")
+    return (await batch_events(http, gw, batch_id, ALICE, last_event_id=last_event_id))[:-1]
 
 
 async def metric(http: aiohttp.ClientSession, gw: RunningGateway, name: str) -> float:

@@ -20,13 +20,13 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from evalbus.testing.pipeline import eventually
-from evalbus_api.client import SseEvent, SseParser
+from evalbus_api.client import SseEvent
 from evalbus_contracts import EventBase, decode_event, subjects
 from evalbus_contracts.streams import CASES
 from evalbus_gateway.compactor import compact_batch, stream_messages
 from evalbus_gateway.store import RecordedMessage, record
 from evalbus_gateway.store.compaction import compacted, due_batches
-from evalbus_gateway.testing import BatchScript, RunningGateway, batch_spec, member, running_gateway
+from evalbus_gateway.testing import BatchScript, RunningGateway, batch_events, batch_spec, member, running_gateway
 from evalbus_runtime import Publisher
 
 pytestmark = pytest.mark.integration
@@ -38,19 +38,7 @@ async def read_events(
     http: aiohttp.ClientSession, gw: RunningGateway, batch_id: str, last_event_id: int | None = None
 ) -> list[SseEvent]:
     """The batch's event stream read through its `end` event."""
-    headers = {"Authorization": f"Bearer {ALICE}"}
-    if last_event_id is not None:
-        headers["Last-Event-ID"] = str(last_event_id)
-    parser, out = SseParser(), []
-    async with http.get(
-        f"{gw.base_url}/v1/batches/{batch_id}/events", headers=headers, timeout=aiohttp.ClientTimeout(total=30)
-    ) as resp:
-        assert resp.status == 200, await resp.text()
-        async for chunk in resp.content.iter_any():
-            out += parser.feed(chunk)
-            if out and out[-1].event == "end":
-                return out
-    raise AssertionError(f"the stream closed without its end: {[e.event for e in out]}")
+    return await batch_events(http, gw, batch_id, ALICE, last_event_id=last_event_id, timeout_s=30)
 
 
 def new_script(cases: tuple[str, ...] = ("c1", "c2")) -> BatchScript:

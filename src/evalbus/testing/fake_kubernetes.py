@@ -983,12 +983,19 @@ def tree_rss(root: int) -> int:
 
 
 def kill_tree(root: int) -> None:
-    """SIGKILL a container's processes (every process group under its first process)."""
+    """SIGKILL a container's processes (every process group under its first process), the first
+    process's own group first: a lost node or a killed container takes its supervisor (the
+    runner) before it can see its harness die and report that as the harness's own exit (which
+    made the node-lost test flaky: `exit_nonzero` instead of `unit_lost`, once in a CI run)."""
     procs = _processes()
     groups = set()
     for pid in _tree(root, procs):
         with contextlib.suppress(OSError):
             groups.add(os.getpgid(pid))
+    with contextlib.suppress(OSError):
+        root_group = os.getpgid(root)
+        os.killpg(root_group, signal.SIGKILL)
+        groups.discard(root_group)
     for pgid in groups | {root}:
         with contextlib.suppress(OSError):
             os.killpg(pgid, signal.SIGKILL)

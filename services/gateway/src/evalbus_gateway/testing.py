@@ -14,6 +14,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import aiohttp
+
+from evalbus_api.client import SseEvent, SseParser
 from evalbus_contracts import (
     BatchCancelled,
     BatchFinalized,
@@ -201,3 +204,30 @@ class BatchScript:
     ) -> BatchFinalized:
         """`batch.finalized` with an empty summary."""
         return BatchFinalized(batch_id=self.batch_id, status=status, summary=BatchSummary())
+
+
+async def batch_events(
+    http: aiohttp.ClientSession,
+    gw: RunningGateway,
+    batch_id: str,
+    token: str,
+    *,
+    last_event_id: int | None = None,
+    timeout_s: float | None = None,
+) -> list[SseEvent]:
+    """`GET /v1/batches/{batch_id}/events` read through its `end` event (the last one returned);
+    AssertionError when the stream is refused or closes without it."""
+    headers = {"Authorization": f"Bearer {token}"}
+    if last_event_id is not None:
+        headers["Last-Event-ID"] = str(last_event_id)
+    parser = SseParser()
+    out: list[SseEvent] = []
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with http.get(f"{gw.base_url}/v1/batches/{batch_id}/events", headers=headers, timeout=timeout) as resp:
+        assert resp.status == 200, await resp.text()
+        async for chunk in resp.content.iter_any():
+            for event in parser.feed(chunk):
+                out.append(event)
+                if event.event == "end":
+                    return out
+    raise AssertionError(f"the stream of {batch_id} closed without its end after {len(out)} events")
