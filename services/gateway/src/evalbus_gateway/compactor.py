@@ -9,7 +9,7 @@ and a finished batch needs no bus. So `stream_keep_finalized_s` after a batch's 
 this gateway task:
 
 1. reads the stream sequences of every message of the batch (`batch.*.<batch>` and
-   `case.*.<batch>.>`, headers only, on an ordered consumer);
+   `case.*.<batch>.>`, headers only, with the SSE's own `live.fanout.replay`);
 2. checks the store has handled each of them — recorded in `events` or refused with a reason in
    `rejections` (`store.compaction.unhandled`); if any is missing (the recorder is behind, or a
    message went to the dead-letter queue) nothing is purged and the batch is looked at again later;
@@ -34,17 +34,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import nats.errors
 import nats.js.errors
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js import api as jsapi
 from prometheus_client import CollectorRegistry, Counter
 
 from evalbus_contracts import subjects
 from evalbus_contracts.streams import CASES
+from evalbus_gateway.live.fanout import FeedSpec, replay
 from evalbus_gateway.store.compaction import Compacted, due_batches, mark_compacted, unhandled
 from evalbus_runtime.tasks import cancel_and_wait
 
@@ -53,8 +55,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("evalbus.gateway.compactor")
 
-READ_TIMEOUT_S = 5.0
-"""Longest wait for the next header of a batch being read (a batch whose messages aged out meanwhile)."""
 BATCHES_PER_ROUND = 50
 """Most batches one round looks at (the oldest due first)."""
 RETRY_S = 600.0
@@ -62,39 +62,29 @@ RETRY_S = 600.0
 (so a batch with a dead-lettered message does not hold the oldest place in every round)."""
 
 
-async def stream_messages(js: JetStreamContext, batch_id: str) -> list[tuple[int, str]]:
-    """(stream sequence, subject) of every message of the batch that CASES holds now, in order."""
+class Held(NamedTuple):
+    """A message of a batch the stream holds."""
+
+    seq: int
+    subject: str
+
+
+def _held(msg: Msg) -> Held:
+    return Held(int(msg.metadata.sequence.stream), msg.subject)
+
+
+async def stream_messages(js: JetStreamContext, batch_id: str) -> list[Held]:
+    """(stream sequence, subject) of every message of the batch that CASES holds now, in order
+    (headers only; a read that stalls gives a prefix, and only what was read is ever purged)."""
     filters = subjects.batch_filter(batch_id)
-    first: int | None = None
-    for subject in filters:
-        try:
-            found = await js.get_msg(CASES.name, seq=1, subject=subject, next=True)
-        except nats.js.errors.NotFoundError:
-            continue
-        seq = int(found.seq or 0)
-        first = seq if first is None else min(first, seq)
-    if first is None:
+    firsts: list[int] = []
+    for subject in filters:  # where to start, and no wait at all for a batch with nothing left
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            firsts.append(int((await js.get_msg(CASES.name, seq=1, subject=subject, next=True)).seq or 0))
+    if not firsts:
         return []
-    config = jsapi.ConsumerConfig(
-        filter_subjects=filters,
-        deliver_policy=jsapi.DeliverPolicy.BY_START_SEQUENCE,
-        opt_start_seq=first,
-        headers_only=True,
-    )
-    sub = await js.subscribe(filters[0], stream=CASES.name, ordered_consumer=True, config=config)
-    found_msgs: list[tuple[int, str]] = []
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=READ_TIMEOUT_S)
-            except nats.errors.TimeoutError:
-                raise TimeoutError(f"reading the messages of {batch_id} stalled after {len(found_msgs)}") from None
-            found_msgs.append((int(msg.metadata.sequence.stream), msg.subject))
-            if msg.metadata.num_pending == 0:
-                return found_msgs
-    finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
+    spec = FeedSpec("compaction", CASES.name, tuple(filters), _held)
+    return [item async for item in replay(js, spec, after=min(firsts) - 1, before=sys.maxsize, headers_only=True)]
 
 
 async def compact_batch(js: JetStreamContext, db: Database, batch_id: str) -> Compacted | None:
@@ -159,12 +149,6 @@ class Compactor:
         self._task: asyncio.Task[None] | None = None
         self._retry_at: dict[str, float] = {}
         """Batches with messages the store has not handled, and when to look at them again."""
-        self.compacted = 0
-        """Batches this process compacted."""
-        self.purged = 0
-        """Messages this process removed from the stream."""
-        self.full_round = False
-        """Whether the last round found as many due batches as it looks at (more may be due)."""
 
     def start(self) -> None:
         """Run the loop in the background."""
@@ -177,13 +161,12 @@ class Compactor:
             await cancel_and_wait(self._task)
             self._task = None
 
-    async def run_once(self) -> list[Compacted]:
-        """One round: compact every due batch that can be; what was compacted."""
-        done: list[Compacted] = []
+    async def run_once(self) -> bool:
+        """One round: compact every due batch that can be; whether it was full (it looked at as
+        many batches as a round holds, so more may be due)."""
         now = time.monotonic()
         self._retry_at = {b: at for b, at in self._retry_at.items() if at > now}
         due = await due_batches(self._db, self._keep_s, BATCHES_PER_ROUND, skip=list(self._retry_at))
-        self.full_round = len(due) == BATCHES_PER_ROUND
         for batch_id in due:
             result = await compact_batch(self._js, self._db, batch_id)
             if result is None:
@@ -192,21 +175,18 @@ class Compactor:
                 continue
             self._metrics.batches.labels("compacted").inc()
             self._metrics.messages.inc(result.messages)
-            done.append(result)
-            self.compacted += 1
-            self.purged += result.messages
             log.debug("%s compacted: %d messages left the stream", batch_id, result.messages)
-        return done
+        return len(due) == BATCHES_PER_ROUND
 
     async def _loop(self) -> None:
         while True:
-            self.full_round = False
+            full = False
             try:
-                await self.run_once()
+                full = await self.run_once()
             except (OSError, TimeoutError, nats.errors.Error) as e:
                 log.warning("stream compaction round failed (retried next round): %s: %s", type(e).__name__, e)
             except Exception:
                 log.exception("stream compaction round failed (retried next round)")
             # A full round (a backlog: the first start after an upgrade, a recorder that caught
             # up) goes straight on to the next one.
-            await asyncio.sleep(0 if self.full_round else self._interval_s)
+            await asyncio.sleep(0 if full else self._interval_s)

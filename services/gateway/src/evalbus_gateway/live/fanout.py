@@ -300,15 +300,19 @@ class Fanout:
 # ---------------------------------------------------------------- replay and join
 
 
-async def replay(js: JetStreamContext, spec: FeedSpec[T], *, after: int, before: int) -> AsyncIterator[T]:
+async def replay(
+    js: JetStreamContext, spec: FeedSpec[T], *, after: int, before: int, headers_only: bool = False
+) -> AsyncIterator[T]:
     """The items of `spec` stored after sequence `after` and before `before`, in order, read on an
-    ordered consumer of the caller's own."""
+    ordered consumer of the caller's own (`headers_only`: the messages come without their payload).
+    A read that stalls `READ_TIMEOUT_S` ends early (logged): what was yielded is a prefix."""
     if before <= after + 1:
         return
     config = jsapi.ConsumerConfig(
         filter_subjects=list(spec.subjects),
         deliver_policy=jsapi.DeliverPolicy.BY_START_SEQUENCE,
         opt_start_seq=after + 1,
+        headers_only=headers_only or None,
     )
     sub = await js.subscribe(
         spec.subjects[0], stream=spec.stream, ordered_consumer=True, config=config, idle_heartbeat=IDLE_HEARTBEAT_S

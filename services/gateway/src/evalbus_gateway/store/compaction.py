@@ -71,7 +71,7 @@ async def mark_compacted(db: Database, done: Compacted) -> None:
 
 
 async def compacted(db: Database, batch_id: str) -> Compacted | None:
-    """The batch's compaction, None when its per-case events are still on the stream."""
+    """The batch's compaction, None while its events are still on the stream."""
     async with acquire(db) as conn:
         row = await conn.fetchrow("SELECT purged_below, messages FROM stream_compactions WHERE batch_id = $1", batch_id)
     if row is None:
