@@ -15,6 +15,7 @@ from nats.js.errors import NotFoundError
 
 from evalbus.infra.nats import NatsServer
 from evalbus.testing.bus import make_consumer, request
+from evalbus.testing.pipeline import eventually
 from evalbus_contracts import CaseExecuted, CasePlan, CaseRequested, CaseResult, decode_event, encode_token
 from evalbus_contracts.events import EventBase
 from evalbus_runtime import (
@@ -142,6 +143,57 @@ async def test_traceparent_is_carried_from_input_to_outputs(fresh_nats: NatsServ
         assert msg.headers["Nats-Msg-Id"] == f"case.executed:evb-{batch}-c1"
         assert msg.headers["Evalbus-Type"] == "case.executed"
         assert isinstance(decode_event(msg.data), CaseExecuted)
+    finally:
+        await nc.close()
+        await service.stop()
+
+
+@pytest.mark.integration
+async def test_on_published_runs_once_the_output_is_acknowledged_and_only_then(fresh_nats: NatsServer) -> None:
+    """A handler's `delivery.on_published` callback runs after its outputs' PubAcks (the published
+    counter already counts them), once per delivery with outputs; not for one without outputs, nor
+    for one that fails (the dispatcher purges a run's live output only once its result is stored)."""
+    service = Service(ServiceSettings(service="hooked", nats_url=fresh_nats.url))
+    batch = f"b{uuid.uuid4().hex[:6]}"
+    seen: list[tuple[str, float | None]] = []
+
+    def published_so_far() -> float | None:
+        return service.metrics.registry.get_sample_value("evalbus_published_total", {"type": "case.executed"})
+
+    async def handle(event: CaseRequested, delivery: Delivery) -> Sequence[EventBase]:
+        delivery.on_published(lambda: seen.append((event.case_id or "", published_so_far())))
+        if event.case_id == "quiet":
+            return []
+        if event.case_id == "broken" and delivery.num_delivered == 1:
+            raise RuntimeError("fails once")
+        result = CaseResult(case_id=event.case.id, run_id=event.run_id or "", harness="h@1")
+        return [
+            CaseExecuted(
+                batch_id=event.batch_id,
+                case_id=event.case_id,
+                run_id=event.run_id,
+                status="succeeded",
+                result=result,
+                plan=CasePlan(),
+            )
+        ]
+
+    service.add_stage(Stage(consumer=make_consumer(batch), handler=handle, accepts=(CaseRequested,)))
+    await service.start()
+    nc = await connect(fresh_nats.url, "t")
+    try:
+        pub = Publisher(nc)
+        for case in ("quiet", "broken", "c1"):
+            await pub.publish_event(request(batch, case))
+
+        async def both() -> bool:
+            return {case for case, _ in seen} == {"broken", "c1"}
+
+        await eventually(both, timeout_s=20, what="the callbacks of the two cases with an output")
+        await service.stop()
+        assert sorted(case for case, _ in seen) == ["broken", "c1"]  # once each: not the failed delivery
+        assert all(count is not None and count >= 1 for _, count in seen), seen
+        assert published_so_far() == 2
     finally:
         await nc.close()
         await service.stop()

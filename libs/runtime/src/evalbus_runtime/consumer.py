@@ -135,6 +135,22 @@ class Delivery:
     _released: bool = False
     stored_ns: int = 0
     """When JetStream stored the message, Unix nanoseconds (0 when the ack subject does not say)."""
+    _on_published: list[Callable[[], None]] = field(default_factory=list)
+
+    def on_published(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the handler's outputs are on the stream (every PubAck in; before
+        the ack): work that must follow the output, never precede it — the dispatcher schedules
+        the purge of a run's live output only once its `case.executed` is stored. Not called when
+        the handler returns nothing, fails, or the message is poison; a callback that raises is
+        logged and does not fail the message."""
+        self._on_published.append(callback)
+
+    def _published(self) -> None:
+        for callback in self._on_published:
+            try:
+                callback()
+            except Exception:
+                log.exception("an on_published callback of %s failed", self.subject)
 
     def release_slot(self) -> None:
         """Give this message's pull slot back now (idempotent): the loop may pull the next one
@@ -508,6 +524,7 @@ class ConsumerLoop:
                             if counter is None:
                                 counter = self._published[out.type] = self._metrics.published.labels(out.type)
                             counter.inc()
+                        delivery._published()
             finally:
                 run_id_var.reset(run_token)
                 batch_id_var.reset(batch_token)
