@@ -132,6 +132,7 @@ SERVICES: tuple[ServiceUser, ...] = (
         publish_extra=(
             Grant("$KV.dispatchers.>", "its presence in the dispatchers bucket (streams.DISPATCHERS)"),
             Grant("term.*.out", "terminal output (subjects.terminal_subject)"),
+            Grant("$JS.API.STREAM.PURGE.LIVE", "a settled run's live output, once kept a while (live_purge.py)"),
         ),
     ),
     ServiceUser(

@@ -25,9 +25,16 @@ class LogTail(msgspec.Struct, frozen=True, kw_only=True):
     status: RunStatus
     """`queued`, `running`, or the execution outcome (`succeeded`, `failed`, `cancelled`)."""
     found: bool
-    """Whether the LIVE stream holds any output of the run (it keeps 15 minutes, 2,000 chunks)."""
+    """Whether any output of the run was found: on the LIVE stream (the last 2,000 chunks of the
+    last 15 minutes, and a settled run's for 2 minutes after it settled) or, once the stream no
+    longer holds it, in the event store (`source`)."""
     text: str
-    """The last 64 KiB of stdout and stderr as written, control lines removed."""
+    """The last 64 KiB of stdout and stderr as written, control lines removed; from the store, the
+    end of the output its `case.executed` recorded (at most 16 KiB; `[stderr]` and `[stdout]`
+    headers when both streams printed)."""
+    source: Literal["live", "store"] = "live"
+    """Where `text` was read: the LIVE stream, or the event store for a settled run whose output
+    has left the stream (`last_event_id` is then null: there is nothing more to follow)."""
     truncated: bool = False
     """Older output exists before `text`."""
     last_event_id: int | None = None
@@ -38,8 +45,9 @@ class LogTail(msgspec.Struct, frozen=True, kw_only=True):
 class LogChunk(msgspec.Struct, frozen=True, kw_only=True):
     """Data of an SSE `log` event: one chunk of output."""
 
-    stream: Literal["stdout", "stderr"]
-    """Which stream."""
+    stream: Literal["stdout", "stderr", "recorded"]
+    """Which stream; `recorded`: a settled run whose output has left the LIVE stream, the end of it
+    as the event store holds it (`LogTail.text` from the store), sent once with no `id`."""
     text: str
     """The text (whole lines except where a line over 16 KiB was split)."""
     attempt: int = 1

@@ -212,6 +212,10 @@ class CaseExecuted(_CaseEvent, frozen=True, kw_only=True, tag="case.executed"):
     """Ids of observation graders left to the collector."""
     rejudge_of: str | None = None
     """Original batch id when this is a re-judge replay."""
+    output_tail: str | None = None
+    """The end of the run's output (control lines removed, at most 16 KiB, as `CaseFailure.log_tail`),
+    so its log outlives the LIVE stream; None when it printed nothing, or when its failure carries
+    the same tail (`result.failure.log_tail`). Not carried forward to later stages."""
 
 
 class CaseCollected(_CaseEvent, frozen=True, kw_only=True, tag="case.collected"):

@@ -83,7 +83,9 @@ class ObjectBucketDef(msgspec.Struct, frozen=True, kw_only=True):
 
 
 CASES = StreamDef(name="CASES", subjects=("batch.>", "case.>", "online.>", "suite.>"), duplicate_window_s=120.0)
-"""The durable event log, kept for ever. Its duplicate window is 2 minutes, not the hour it once
+"""The event log: every event of a batch until a minute after it is finalized and the event store
+holds them all (the gateway's compactor then purges them; the store is the record for ever). Its
+duplicate window is 2 minutes, not the hour it once
 was: nats-server keeps every id inside the window in RAM (about 200 bytes each,
 `bench/nats_memory.py`), and the window only has to cover a publish retried and a redelivery that
 overlaps a slow first delivery. A redelivery later than that finds its output on the stream
@@ -91,6 +93,9 @@ instead (`Publisher.publish_missing`, the consumer loop's `settled_by`)."""
 LIVE = StreamDef(
     name="LIVE", subjects=("run.*.live.>",), max_age_s=15 * 60.0, max_msgs_per_subject=2000, duplicate_window_s=120.0
 )
+"""The live ring: output, marks, trace events and samples of runs (15 minutes, 2,000 messages per
+run and channel); a settled run's are purged by the dispatcher that ran it, 2 minutes after it
+settled (`evalbus_dispatcher.live_purge`)."""
 OBSERVATIONS = StreamDef(
     name="OBSERVATIONS", subjects=("obs.>",), retention="workqueue", max_age_s=24 * 3600.0, duplicate_window_s=3600.0
 )

@@ -187,6 +187,7 @@ class _InSandbox:
     snapshot: Snapshot | None = None
     scores: tuple[Score, ...] = ()
     failure: CaseFailure | None = None
+    output_tail: str | None = None
 
     @property
     def harness_ran(self) -> bool:
@@ -334,7 +335,7 @@ class _Execution:
             held.events.append(
                 Error(message=f"{output.invalid_lines} torn or invalid EVALBUS_* line(s) skipped", t=held.t_end)
             )
-        tail = log_tail(run.stdout, run.stderr)
+        tail = held.output_tail = log_tail(run.stdout, run.stderr)
         if run.timed_out:
             held.failure = self._failure(
                 "run", "agent", "timeout", f"harness ran past {timeout_s:g}s and was killed (exit 124)", log_tail=tail
@@ -535,4 +536,5 @@ class _Execution:
             case=req.case,
             trace_complete=not control_plane,
             deferred_graders=tuple(g.id for g in observation) if control_plane else (),
+            output_tail=None if held.failure is not None and held.failure.log_tail else held.output_tail,
         )

@@ -88,6 +88,10 @@ class Presence:
                 del self._runs[run_id]
             self._changed.set()
 
+    def holds(self, run_id: str) -> bool:
+        """Whether `run_id` holds a slot now."""
+        return run_id in self._runs
+
     @property
     def runs(self) -> tuple[str, ...]:
         """Runs holding a slot now."""

@@ -40,6 +40,7 @@ from evalbus_dispatcher.control import LiveControls
 from evalbus_dispatcher.execute import Queued, execute_case, run_id_of
 from evalbus_dispatcher.fanout import fan_out_batch
 from evalbus_dispatcher.live_bus import LiveBus
+from evalbus_dispatcher.live_purge import LivePurger
 from evalbus_dispatcher.placement import SAMPLE_INTERVAL_S
 from evalbus_dispatcher.presence import STATUS_INTERVAL_S, Presence, default_replica_id
 from evalbus_dispatcher.retry import next_attempt, should_retry
@@ -100,6 +101,10 @@ class DispatcherSettings(ServiceSettings):
     """This replica's id in marks, samples and the `dispatchers` bucket (default `<node>-<pid>`)."""
     sample_interval_s: float = SAMPLE_INTERVAL_S
     """Seconds between two placement samples of a running harness."""
+    live_keep_settled_s: float = 120.0
+    """Seconds a settled run's output stays on the LIVE stream after its `case.executed` is stored;
+    then this replica purges it (`live_purge.py`) and its log is answered from the event store.
+    Negative: never purged (the stream's 15-minute max age alone)."""
     status_interval_s: float = STATUS_INTERVAL_S
     """Seconds between two writes of the replica's status when nothing changes."""
     terminal_ping_s: float = TERMINAL_PING_S
@@ -334,6 +339,12 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
     controls = LiveControls(ping_s=settings.terminal_ping_s)
     screens = ScreenSessions()
     runner_auth: list[RunnerAuth] = []
+    purger: list[LivePurger] = []
+
+    def settled(run_id: str, delivery: Delivery) -> None:
+        """Purge the run's live output once its `case.executed` is on the stream, and kept a while."""
+        if purger:
+            delivery.on_published(lambda: purger[0].settled(run_id))
 
     async def start(svc: Service) -> None:
         swept = await asyncio.to_thread(sweep_orphans, backend.root)
@@ -344,6 +355,13 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         if room is not None:
             await room.start()
         await presence.start(svc.js)
+        if settings.live_keep_settled_s >= 0:
+            purger.append(
+                LivePurger(
+                    svc.js, keep_s=settings.live_keep_settled_s, holds=presence.holds, registry=svc.metrics.registry
+                )
+            )
+            purger[0].start()
         controls.bind(svc.nc)
         await screens.start()
         if settings.runner_auth_url:
@@ -354,6 +372,8 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
             runner_auth.append(auth)
 
     async def stop(_: Service) -> None:
+        for p in purger:
+            await p.stop()
         for auth in runner_auth:
             await auth.close()
         await controls.close()
@@ -390,6 +410,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
             raise Poison(f"case.requested without a run: {e}") from e
         reason = await cancels.reason(service.js, req.batch_id)
         if reason is not None:
+            settled(run_id_of(req), delivery)
             return [cancelled_execution(req, reason)]
         backoff = settings.retry_backoff_s * (req.attempt - 1)
         if backoff > 0 and delivery.num_delivered == 1:
@@ -444,6 +465,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         if should_retry(executed, req.attempt, req.plan.retries):
             log.info("retrying %s after a retryable %s failure", executed.run_id, executed.result.failure)
             return [next_attempt(req)]
+        settled(run_id, delivery)
         return [executed]
 
     service.on_start(start)

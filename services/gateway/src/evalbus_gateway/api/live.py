@@ -52,9 +52,17 @@ from evalbus_gateway.live.reads import (
     locate_tail,
     read_live,
 )
-from evalbus_gateway.live.views import Stored, end_frame, live_trace, log_frames, log_tail, trace_frames
+from evalbus_gateway.live.views import (
+    Stored,
+    end_frame,
+    live_trace,
+    log_frames,
+    log_tail,
+    recorded_frame,
+    trace_frames,
+)
 from evalbus_gateway.state import GatewayState
-from evalbus_gateway.store.queries import get_harness_trace
+from evalbus_gateway.store.queries import get_harness_trace, get_output_tail
 
 log = logging.getLogger("evalbus.gateway.live")
 
@@ -104,6 +112,14 @@ async def live_trace_link(state: GatewayState, view: RunView) -> LiveTraceLink |
 
 # ---------------------------------------------------------------- snapshots
 
+SETTLED: frozenset[RunStatus] = frozenset({"succeeded", "failed", "cancelled"})
+
+
+async def recorded_tail(state: GatewayState, run_id: str) -> str | None:
+    """The end of a settled run's output as the event store holds it: what its log is once the
+    dispatcher purged it from the LIVE stream (`DISPATCHER_LIVE_KEEP_SETTLED_S` after it settled)."""
+    return await get_output_tail(state.pool, run_id)
+
 
 def _json(value: object) -> web.Response:
     return web.Response(body=encode(value), content_type="application/json")
@@ -116,6 +132,9 @@ async def run_logs(call: Call) -> web.StreamResponse:
     subject = live_subjects(run.run_id, "log")
     last, status = await asyncio.gather(last_on(js, subject[0]), run_status(js, run))
     if last is None:
+        stored = await recorded_tail(call.state, run.run_id) if status in SETTLED else None
+        if stored is not None:
+            return _json(LogTail(run_id=run.run_id, status=status, found=True, text=stored, source="store"))
         return _json(LogTail(run_id=run.run_id, status=status, found=False, text=""))
     start = await locate_tail(js, last)
     chunks = await read_live(js, subject, start_seq=start.seq, until_seq=last.seq)
@@ -144,8 +163,10 @@ async def stream_run(
     *,
     start: TailStart,
     render: Render,
+    prelude: bytes = b"",
 ) -> web.StreamResponse:
-    """Serve `subject_list` of the run as SSE from `start` until the run settles (or the client leaves)."""
+    """Serve `subject_list` of the run as SSE from `start` until the run settles (or the client
+    leaves), `prelude` (frames) first."""
     streams = state.streams
     if streams.closing():
         raise NotReadyError("the gateway is stopping; reconnect to another replica")
@@ -175,7 +196,7 @@ async def stream_run(
             settled = next((e.status for e in mine), None)
         await response.prepare(request)
         await response.write(b": evalbus run " + run.run_id.encode("utf-8").replace(b"\n", b" ") + b"\n\n")
-        pump = _Pump(response, js, fanout, run, live, watcher, start, render)
+        pump = _Pump(response, js, fanout, run, live, watcher, start, render, prelude)
         await pump.serve(settled, state.settings.sse_heartbeat_s)
     except ConnectionResetError:
         pass  # the client left
@@ -214,6 +235,8 @@ class _Pump:
     watcher: Watcher[Stored | Executed]
     start: TailStart
     render: Render
+    prelude: bytes = b""
+    """Frames written before the replay (a settled run's recorded log)."""
     seen: int = 0
     """Last LIVE sequence the client has (or skips)."""
 
@@ -227,7 +250,7 @@ class _Pump:
 
     async def serve(self, settled: ExecutedStatus | None, heartbeat_s: float) -> None:
         self.seen = self.start.seq - 1 if self.start.seq is not None else 0
-        out: list[bytes] = []
+        out: list[bytes] = [self.prelude] if self.prelude else []
         if settled is not None:  # nothing more comes: replay to the end, no feed needed
             async for kept in replay(self.js, self.live, after=self.seen, before=await self.drain_point() + 1):
                 out += self.frames(kept)
@@ -285,16 +308,20 @@ async def run_logs_stream(call: Call) -> web.StreamResponse:
     run = await visible_live_run(call, run_id)
     js = call.state.js
     subject = live_subjects(run.run_id, "log")
+    prelude = b""
     if last_event_id is not None:
         start = TailStart(seq=last_event_id + 1)
     else:
         last = await last_on(js, subject[0])
         start = await locate_tail(js, last) if last is not None else TailStart(seq=None)
+        if last is None and run.view is not None and run.view.executed_status is not None:
+            stored = await recorded_tail(call.state, run.run_id)  # its output has left the stream
+            prelude = b"" if stored is None else recorded_frame(stored)
 
     def render(stored: Stored, skip: int) -> list[bytes]:
         return log_frames(stored, skip=skip)
 
-    return await stream_run(request, call.state, run, subject, start=start, render=render)
+    return await stream_run(request, call.state, run, subject, start=start, render=render, prelude=prelude)
 
 
 async def run_live_trace_stream(call: Call) -> web.StreamResponse:
@@ -332,9 +359,10 @@ ROUTES: tuple[Route, ...] = (
         "member",
         run_logs,
         tag="runs",
-        description="Read from the LIVE stream (15 minutes, 2,000 chunks per run), so every replica answers the same. "
-        "`found` is false when the stream holds no output of the run; `last_event_id` is where `/logs/stream` "
-        "follows on from.",
+        description="Read from the LIVE stream (15 minutes, 2,000 chunks per run; a settled run's output for 2 "
+        "minutes after it settled), so every replica answers the same; `last_event_id` is where `/logs/stream` "
+        "follows on from. Once a settled run's output has left the stream, the end of it recorded in the event store "
+        "(`source: store`, at most 16 KiB). `found` is false when neither holds any output of the run.",
         params=(_RUN_ID,),
         responses={200: Body("The log tail", LogTail)},
     ),
@@ -349,7 +377,8 @@ ROUTES: tuple[Route, ...] = (
         description="First the current tail (64 KiB), then every chunk as it is written: `event: log`, `id:` the LIVE "
         "stream sequence, `data:` `{stream, text, attempt}`. `Last-Event-ID` resumes exactly after that sequence, on "
         "any replica. `: heartbeat` comments on a quiet stream; once the run settled, `event: end` with "
-        "`{run_id, status}` and the stream closes.",
+        "`{run_id, status}` and the stream closes. A settled run whose output has left the stream gets one "
+        "`event: log` without `id` (`stream: recorded`, its recorded tail), then `end`.",
         params=(_RUN_ID, _LAST_EVENT_ID),
         responses={200: _SSE},
     ),
@@ -363,7 +392,8 @@ ROUTES: tuple[Route, ...] = (
         tag="runs",
         description="Dispatch marks (accepted, waiting with the reason, started, released) and the harness's events as "
         "it printed them (each at most 4 KiB; a larger one is left out and counted in an `error` event), from the "
-        "LIVE stream: the last 2,000 events of the last 15 minutes. The sealed `/trajectory` stays the record.",
+        "LIVE stream: the last 2,000 events of the last 15 minutes, and a settled run's for 2 minutes after it "
+        "settled. The sealed `/trajectory` stays the record.",
         params=(_RUN_ID,),
         responses={200: Body("The live trace", LiveTraceView)},
     ),

@@ -117,6 +117,11 @@ def log_frames(stored: Stored, *, skip: int = 0) -> list[bytes]:
     return [frame(encode(chunk), event="log", event_id=stored.seq)]
 
 
+def recorded_frame(text: str) -> bytes:
+    """The one `log` frame of a settled run's recorded output (no `id`: nothing follows it)."""
+    return frame(encode(LogChunk(stream="recorded", text=text)), event="log")
+
+
 def trace_frames(stored: Stored) -> list[bytes]:
     """One `trace` frame per trace event of a mark or trace message; the last carries its sequence
     (a client cut off between the frames of one message resumes before it, not after)."""

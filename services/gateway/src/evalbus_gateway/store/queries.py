@@ -218,6 +218,18 @@ async def get_trajectory(db: Database, run_id: str) -> Trajectory | None:
     )
 
 
+async def get_output_tail(db: Database, run_id: str) -> str | None:
+    """The end of a settled run's output as its last `case.executed` recorded it (`output_tail`, or
+    its failure's `log_tail`); None when the run is not recorded as executed or printed nothing."""
+    async with acquire(db) as conn:
+        row = await conn.fetchrow(
+            "SELECT coalesce(body->>'output_tail', body->'result'->'failure'->>'log_tail') AS tail FROM events "
+            "WHERE run_id = $1 AND type = 'case.executed' ORDER BY stream_seq DESC LIMIT 1",
+            run_id,
+        )
+    return None if row is None else row["tail"]
+
+
 async def open_batches_by_supersede_key(db: Database, supersede_key: str) -> list[str]:
     """Batches with this supersede key that are not finalized and not already cancelled, oldest first."""
     async with acquire(db) as conn:
