@@ -26,6 +26,20 @@ the figure depend on `--messages`; the whole growth per message is printed besid
 (`case subject` and `+ id` above the floor) follow, and the growth those costs predict for the
 soak's minutes 5 → 30 (where the stream is past its first messages too).
 
+`--live` measures the LIVE stream instead (`evalbus_contracts.streams.LIVE`, fresh servers as
+above): `--runs` runs (default 25,200: the soak's 28 runs a second for the ring's 15 minutes) of
+five messages of 670 bytes (the soak's mean), shaped as
+
+- `run subjects`        — as the dispatcher publishes them: three marks on `run.<run>.live.infra`,
+  a log chunk and a placement sample, three subjects a run;
+- `one subject a run`   — the five on one subject of the run;
+- `one subject a batch` — the five on one subject per batch of 50 runs: the floor.
+
+It prints the bytes of RSS one more retained run costs (second half's growth over its runs) and
+what the ring costs at the soak's rate when it keeps every run 15 minutes (the max age alone)
+against 2 minutes after it settled (`DISPATCHER_LIVE_KEEP_SETTLED_S`). Goal: `run subjects` ≤
+2,048 bytes a run (a bound, as above).
+
 Goal: the CASES shape holds ≤ 1,024 bytes of RAM a retained message — a bound that keeps a year's
 dedupe window and subject index small next to the stream's disk, and catches a nats-server upgrade
 or a header that makes every message cost more. Prints a short table and the goals, then one JSON
@@ -33,6 +47,7 @@ line (only the JSON line with --json); with --check it exits 1, naming the misse
 is missed.
 
     uv run python bench/nats_memory.py [--messages 100000] [--bytes 1350] [--repeats 3] [--json] [--check]
+    uv run python bench/nats_memory.py --live [--runs 25200] [--repeats 3] [--json] [--check]
 """
 
 from __future__ import annotations
@@ -57,8 +72,8 @@ from bench._report import fmt, report
 
 from evalbus.infra.nats import start_nats
 from evalbus_contracts.ids import batch_run_id
-from evalbus_contracts.streams import CASES
-from evalbus_contracts.subjects import CASE_EXECUTED, case_subject
+from evalbus_contracts.streams import CASES, LIVE, StreamDef
+from evalbus_contracts.subjects import CASE_EXECUTED, case_subject, live_subject
 from evalbus_runtime.bus import connect, ensure_stream
 
 GOAL_BYTES = 1024
@@ -96,6 +111,29 @@ SHAPES: dict[str, tuple[Subject, MsgId]] = {
 }
 
 
+LIVE_GOAL_BYTES = 2048
+"""RAM a run the LIVE stream keeps may cost nats-server."""
+LIVE_MESSAGE_BYTES = 670
+"""The soak's mean LIVE message (bench/results/soak-20261207T133309Z.json: 81.4 MiB / 126,000)."""
+SOAK_RUNS_PER_S = 28.0
+"""The soak's rate."""
+RING_S = LIVE.max_age_s or 900.0
+"""How long the LIVE stream keeps a run when nothing purges it."""
+KEEP_SETTLED_S = 120.0
+"""`DISPATCHER_LIVE_KEEP_SETTLED_S`'s default."""
+
+
+def live_run(r: int) -> str:
+    return batch_run_id(f"b{r // CASES_PER_BATCH}", f"c{r}")
+
+
+LIVE_SHAPES: dict[str, Callable[[int], list[str]]] = {
+    "run subjects": lambda r: [live_subject(live_run(r), c) for c in ("infra", "infra", "infra", "log", "placement")],
+    "one subject a run": lambda r: [live_subject(live_run(r), "log")] * 5,
+    "one subject a batch": lambda r: [live_subject(f"b{r // CASES_PER_BATCH}", "log")] * 5,
+}
+
+
 def rss_of(pid: int) -> int:
     """Resident memory of the server, which must be running."""
     rss = rss_bytes(pid)
@@ -121,13 +159,34 @@ async def settled_rss(pid: int, *, within: int = 1 << 20, limit_s: float = 20.0)
 async def one_shape(name: str, messages: int, size: int) -> dict[str, Any]:
     """Publish `messages` of `size` bytes in shape `name` to a fresh server; its RSS growth."""
     subject_of, msg_id_of = SHAPES[name]
+    got = await fill(CASES, messages, lambda i: [(subject_of(i), msg_id_of(i))], size)
+    stored, half, middle, after = got["messages"], messages // 2, got["rss_middle"], got["rss_after"]
+    return {
+        **got,
+        "subjects": len({subject_of(i) for i in range(messages)}),
+        "publish_per_s": messages / got["published_s"],
+        # the second half's growth: what one more message costs, without what the first messages
+        # cost once (a block's cache, the first allocations of the server's maps)
+        "bytes_per_message": (after - middle) / (stored - half) if stored > half else float("nan"),
+        "growth_per_message": (after - got["rss_before"]) / stored if stored else float("nan"),
+    }
+
+
+Messages = Callable[[int], list[tuple[str, str | None]]]
+"""The messages of item `i`: (subject, `Nats-Msg-Id` or None) each."""
+
+
+async def fill(stream: StreamDef, items: int, messages_of: Messages, size: int) -> dict[str, Any]:
+    """Publish the messages of `items` items, `size` bytes each, to a fresh server's `stream` (a
+    PubAck each, `IN_FLIGHT` at once); its RSS before, after the first half of the items and at the
+    end, the messages stored and the seconds the publishing took."""
     with tempfile.TemporaryDirectory(prefix="evalbus-bench-natsmem-") as tmp:
         server = start_nats(Path(tmp) / "nats")
         try:
             nc = await connect(server.url, "bench-nats-memory")
             try:
                 js = nc.jetstream()
-                await ensure_stream(js, CASES)
+                await ensure_stream(js, stream)
                 pid = server.process.pid
                 before = await settled_rss(pid)
                 body = b"x" * size
@@ -135,36 +194,105 @@ async def one_shape(name: str, messages: int, size: int) -> dict[str, Any]:
                 started = time.monotonic()
 
                 async def publish(i: int) -> None:
-                    msg_id = msg_id_of(i)
-                    async with gate:
-                        await js.publish(
-                            subject_of(i), body, headers=None if msg_id is None else {"Nats-Msg-Id": msg_id}
-                        )
+                    for subject, msg_id in messages_of(i):
+                        async with gate:
+                            await js.publish(subject, body, headers=None if msg_id is None else {"Nats-Msg-Id": msg_id})
 
-                half = messages // 2
+                half = items // 2
                 await asyncio.gather(*(publish(i) for i in range(half)))
                 middle = await settled_rss(pid)
-                await asyncio.gather(*(publish(i) for i in range(half, messages)))
+                await asyncio.gather(*(publish(i) for i in range(half, items)))
                 published_s = time.monotonic() - started
-                info = await js.stream_info(CASES.name)
+                info = await js.stream_info(stream.name)
                 after = await settled_rss(pid)
             finally:
                 await nc.close()
         finally:
             server.stop()
-    stored = int(info.state.messages)
     return {
-        "messages": stored,
-        "subjects": len({subject_of(i) for i in range(messages)}),
-        "publish_per_s": messages / published_s,
+        "messages": int(info.state.messages),
+        "published_s": published_s,
         "rss_before": before,
         "rss_middle": middle,
         "rss_after": after,
-        # the second half's growth: what one more message costs, without what the first messages
-        # cost once (a block's cache, the first allocations of the server's maps)
-        "bytes_per_message": (after - middle) / (stored - half) if stored > half else float("nan"),
-        "growth_per_message": (after - before) / stored if stored else float("nan"),
     }
+
+
+def without_ids(subjects_of: Callable[[int], list[str]]) -> Messages:
+    """Messages on those subjects, without ids (as the dispatcher publishes LIVE messages)."""
+    return lambda r: [(subject, None) for subject in subjects_of(r)]
+
+
+async def measure_live(args: argparse.Namespace) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in LIVE_SHAPES}
+    half = args.runs - args.runs // 2
+    for _ in range(args.repeats):
+        for name, subjects_of in LIVE_SHAPES.items():
+            got = await fill(LIVE, args.runs, without_ids(subjects_of), LIVE_MESSAGE_BYTES)
+            got["subjects"] = len({s for r in range(args.runs) for s in subjects_of(r)})
+            got["bytes_per_run"] = (got["rss_after"] - got["rss_middle"]) / half
+            runs[name].append(got)
+    shapes = {}
+    for name, r in runs.items():
+        ordered = sorted(r, key=lambda x: float(x["bytes_per_run"]))
+        shapes[name] = {**ordered[len(ordered) // 2], "runs_bytes_per_run": [x["bytes_per_run"] for x in r]}
+    per_run = shapes["run subjects"]["bytes_per_run"]
+    return {
+        "benchmark": "nats_memory_live",
+        "runs": args.runs,
+        "messages_per_run": 5,
+        "message_bytes": LIVE_MESSAGE_BYTES,
+        "shapes": shapes,
+        "ring_mb_max_age": SOAK_RUNS_PER_S * RING_S * per_run / 2**20,
+        "ring_mb_keep_settled": SOAK_RUNS_PER_S * KEEP_SETTLED_S * per_run / 2**20,
+    }
+
+
+def live_goals(out: dict[str, Any]) -> list[Goal]:
+    shape = out["shapes"]["run subjects"]
+    return [
+        goal(
+            "LIVE RSS bytes a retained run",
+            shape["bytes_per_run"],
+            "<=",
+            LIVE_GOAL_BYTES,
+            f"a bound; {out['runs']:,} runs of 5 messages on 3 subjects each",
+        ),
+        goal(
+            "messages stored (LIVE)",
+            shape["messages"],
+            "==",
+            out["runs"] * 5,
+            "every publish acknowledged and kept",
+        ),
+    ]
+
+
+def live_main(args: argparse.Namespace) -> int:
+    out = asyncio.run(measure_live(args))
+    goals = live_goals(out)
+    out["goals"] = [msgspec.to_builtins(g) for g in goals]
+    out["ok"] = all(g.passed for g in goals)
+    rows = [("shape", "messages", "subjects", "RSS before", "RSS after", "bytes/run")]
+    for name, s in out["shapes"].items():
+        rows.append(
+            (
+                name,
+                f"{s['messages']:,}",
+                f"{s['subjects']:,}",
+                fmt(s["rss_before"] / 2**20, " MiB", 1),
+                fmt(s["rss_after"] / 2**20, " MiB", 1),
+                fmt(s["bytes_per_run"], "", 0),
+            )
+        )
+    notes = [
+        f"the ring at the soak's {SOAK_RUNS_PER_S:g} runs/s: {out['ring_mb_max_age']:.1f} MiB when every run stays "
+        f"{RING_S / 60:g} minutes, {out['ring_mb_keep_settled']:.1f} MiB when a settled run leaves after "
+        f"{KEEP_SETTLED_S:g} s",
+        *goal_notes(goals),
+    ]
+    report(out, rows, notes, args.json)
+    return verdict("nats_memory", goals, check=args.check)
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -226,9 +354,13 @@ def main() -> int:
     parser.add_argument("--bytes", type=int, default=1_350)
     parser.add_argument("--repeats", type=int, default=3, help="runs of every shape, alternating; medians")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    parser.add_argument("--live", action="store_true", help="measure the LIVE stream's cost a run instead")
+    parser.add_argument("--runs", type=int, default=int(SOAK_RUNS_PER_S * RING_S), help="runs (--live)")
     add_check_flag(parser)
     args = parser.parse_args()
     quiet_logs()
+    if args.live:
+        return live_main(args)
     out = asyncio.run(measure(args))
     goals = goals_of(out)
     out["goals"] = [msgspec.to_builtins(g) for g in goals]

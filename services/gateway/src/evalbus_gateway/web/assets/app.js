@@ -739,6 +739,10 @@ async function runView(runId) {
   follow(`/v1/runs/${id}/logs/stream`, {
     log: (chunk) => {
       const atEnd = log.scrollTop + log.clientHeight >= log.scrollHeight - 4;
+      if (chunk.stream === "recorded") {
+        // a settled run whose live output has left the stream: the end of it, from the event store
+        log.append(el("span", { class: "muted", "data-testid": "log-recorded" }, "(the end of the output, as recorded)\n"));
+      }
       log.append(el("span", { class: chunk.stream }, chunk.text));
       if (atEnd) log.scrollTop = log.scrollHeight;
     },
