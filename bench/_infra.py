@@ -20,6 +20,7 @@ from types import TracebackType
 import asyncpg
 
 from evalbus.infra.nats import NatsServer, start_nats
+from evalbus.infra.ports import free_port
 from evalbus.infra.postgres import (
     EmbeddedPostgres,
     create_database,
@@ -44,8 +45,9 @@ def quiet_logs() -> None:
 class Infra:
     """A nats-server and (optionally) a fresh database, in a temporary folder, for one benchmark."""
 
-    def __init__(self, *, database: bool, prefix: str = "evalbus-bench-") -> None:
+    def __init__(self, *, database: bool, prefix: str = "evalbus-bench-", nats_profiler: bool = False) -> None:
         self._want_db = database
+        self._nats_profiler = nats_profiler
         self._tmp = tempfile.TemporaryDirectory(prefix=prefix)
         self.workdir = Path(self._tmp.name)
         self.nats: NatsServer | None = None
@@ -87,7 +89,7 @@ class Infra:
 
     async def __aenter__(self) -> Infra:
         try:
-            self.nats = start_nats(self.workdir / "nats")
+            self.nats = start_nats(self.workdir / "nats", prof_port=free_port() if self._nats_profiler else None)
             if self._want_db:
                 admin = os.environ.get("DATABASE_URL")
                 if admin:

@@ -6,8 +6,10 @@ through the five real services on a nats-server and a PostgreSQL database of the
 `cat` harness, so the agent costs nothing and the stack is what is measured, and an exact judge).
 Every `--sample-s` (60) seconds it samples: the resident memory of every process (the five
 services, nats-server, the embedded PostgreSQL when it is ours), the CASES stream's messages and
-bytes, the event store's size, and the p50/p99 of `case.requested` → `case.exported` for the cases
-exported in that interval.
+bytes, the event store's size, the p50/p99 of `case.requested` → `case.exported` for the cases
+exported in that interval, and nats-server's Go heap from its profiler (`HeapAlloc`: live objects
+and garbage not yet collected; `HeapInuse`; `HeapIdle - HeapReleased`: freed memory the runtime
+keeps; `Sys`), which tells the server's growth in its own data from its allocator's slack.
 
 Goals: no process's RSS at the end above 1.2 × its RSS at the baseline sample (minute 5, or
 `--baseline-min`); the last interval's p99 within 1.5 × the baseline interval's; nothing lost or
@@ -37,6 +39,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as `python bench/soak.py`: make `bench.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import aiohttp
 import asyncpg
 from bench._cpu import rss_bytes
 from bench._goals import add_check_flag, goal, goal_notes, verdict
@@ -92,7 +95,7 @@ async def sample(
     # nats-server keeps an entry in memory for), read from the API's own answer.
     raw = await nc.request("$JS.API.STREAM.INFO.CASES", b"{}", timeout=5.0)
     subjects = int(json.loads(raw.data).get("state", {}).get("num_subjects", 0))
-    live = await nc.jetstream().stream_info("LIVE")  # fills for its first 15 minutes (its max age)
+    live = await nc.jetstream().stream_info("LIVE")  # the runs in flight and those settled < 2 min ago
     conn = await asyncpg.connect(infra.database_url)
     try:
         events = int(await conn.fetchval("SELECT count(*) FROM events"))
@@ -100,6 +103,7 @@ async def sample(
     finally:
         await conn.close()
     window = arrivals.latencies(since, now)
+    prof = infra.nats.prof_port if infra.nats is not None else None
     return {
         "minute": round((now - t0) / 60.0, 2),
         "rss": {name: rss_bytes(pid) for name, pid in pids.items()},
@@ -113,7 +117,30 @@ async def sample(
         "exported_in_window": len(window),
         "p50_s": percentile(window, 0.5),
         "p99_s": percentile(window, 0.99),
+        "nats_go": await go_memstats(prof) if prof is not None else {},
     }
+
+
+GO_STATS = ("HeapAlloc", "HeapInuse", "HeapIdle", "HeapReleased", "Sys", "NumGC")
+
+
+async def go_memstats(prof_port: int) -> dict[str, int]:
+    """nats-server's `runtime.MemStats` as its profiler prints them (`# HeapAlloc = 123` lines at
+    the end of `/debug/pprof/heap?debug=1`); empty when it does not answer."""
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http,
+            http.get(f"http://127.0.0.1:{prof_port}/debug/pprof/heap?debug=1") as resp,
+        ):
+            text = await resp.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return {}
+    stats: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, value = line.removeprefix("# ").partition(" = ")
+        if name in GO_STATS and value.strip().isdigit():
+            stats[name] = int(value)
+    return stats
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -123,7 +150,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     harness = CommandHarness(id="cat", command=("cat",))
     samples: list[dict[str, Any]] = []
     submitted = 0
-    async with Infra(database=True, prefix="evalbus-bench-soak-") as infra:
+    async with Infra(database=True, prefix="evalbus-bench-soak-", nats_profiler=True) as infra:
         stack = pipeline_stack(infra, "soak", service_env={"dispatcher": {"DISPATCHER_SLOTS": str(args.slots)}})
         await asyncio.to_thread(stack.start_all)
         async with running(stack):
@@ -188,7 +215,17 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
 
 def _line(s: dict[str, Any]) -> str:
     rss = " ".join(f"{n}={(v or 0) / 2**20:.0f}M" for n, v in s["rss"].items() if v is not None)
-    return f"minute {s['minute']:6.2f}: p50 {s['p50_s']:.3f}s p99 {s['p99_s']:.3f}s, {s['exported_in_window']} exported; {rss}"
+    go = s.get("nats_go") or {}
+    heap = (
+        f"; nats heap {go['HeapAlloc'] / 2**20:.0f}M in use {go['HeapInuse'] / 2**20:.0f}M "
+        f"kept {(go['HeapIdle'] - go['HeapReleased']) / 2**20:.0f}M"
+        if {"HeapAlloc", "HeapInuse", "HeapIdle", "HeapReleased"} <= go.keys()
+        else ""
+    )
+    return (
+        f"minute {s['minute']:6.2f}: p50 {s['p50_s']:.3f}s p99 {s['p99_s']:.3f}s, "
+        f"{s['exported_in_window']} exported; {rss}{heap}"
+    )
 
 
 def summarize(

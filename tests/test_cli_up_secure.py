@@ -34,16 +34,17 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "suite.yaml"
 
 
-async def compactions(metrics_url: str, timeout_s: float = 30.0) -> float:
-    """The gateway's count of compacted batches, once it is above 0 (or at the deadline)."""
+async def counted(metrics_url: str, sample: str, *, at_least: float = 1, timeout_s: float = 30.0) -> float:
+    """The value of counter `sample` (`name{labels}`) on a service's metrics, once it is `at_least`
+    (or at the deadline): the gateway's compacted batches, the dispatcher's purged runs."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    pattern = re.compile(r'^evalbus_stream_compactions_total\{result="compacted"\} (\S+)$', re.MULTILINE)
+    pattern = re.compile("^" + re.escape(sample) + r" (\S+)$", re.MULTILINE)
     while True:
         async with aiohttp.ClientSession() as http, http.get(metrics_url) as resp:
             found = pattern.search(await resp.text())
         count = float(found.group(1)) if found else 0.0
-        if count > 0 or loop.time() > deadline:
+        if count >= at_least or loop.time() > deadline:
             return count
         await asyncio.sleep(0.2)
 
@@ -102,8 +103,13 @@ async def token_login(url: str, token: str) -> bool:
 
 
 def test_the_local_stack_runs_on_least_privilege_users(stack: Stack) -> None:  # noqa: F811
-    # Compaction at once: the gateway's user may purge the finished batch from CASES.
-    stack.env |= {"GATEWAY_STREAM_KEEP_FINALIZED_S": "0", "GATEWAY_STREAM_COMPACT_INTERVAL_S": "0.5"}
+    # Compaction and live purges at once: the gateway's user may purge the finished batch from
+    # CASES, the dispatcher's a settled run's output from LIVE.
+    stack.env |= {
+        "GATEWAY_STREAM_KEEP_FINALIZED_S": "0",
+        "GATEWAY_STREAM_COMPACT_INTERVAL_S": "0.5",
+        "DISPATCHER_LIVE_KEEP_SETTLED_S": "0",
+    }
     done = stack.up("--secure")
     assert done.returncode == 0, explain(done)
     endpoints = stack.endpoints()
@@ -121,8 +127,15 @@ def test_the_local_stack_runs_on_least_privilege_users(stack: Stack) -> None:  #
 
     dlq = stack.run("dlq", "ls", "--json")  # the CLI reaches NATS as admin
     assert dlq.returncode == 0, explain(dlq)
-    compacted = asyncio.run(compactions(endpoints["services"]["gateway"]["metrics"]))
+    services = endpoints["services"]
+    compacted = asyncio.run(
+        counted(services["gateway"]["metrics"], 'evalbus_stream_compactions_total{result="compacted"}')
+    )
     assert compacted >= 1, "the gateway compacted no batch (its user may not purge CASES?)"
+    runs = result["summary"]["counts"]["executed"]
+    purges = 'evalbus_live_purges_total{result="purged"}'
+    purged = asyncio.run(counted(services["dispatcher"]["metrics"], purges, at_least=runs))
+    assert purged == runs > 0, "a run's live output was not purged (may the dispatcher purge LIVE?)"
 
     url = endpoints["nats"]
     judge = asyncio.run(refused(url, "judge", passwords["judge"], "publish:case.exported.b1.c1"))

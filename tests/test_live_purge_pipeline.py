@@ -6,9 +6,9 @@ Two runs of one batch: `quick` prints and settles, `slow` prints and waits for t
 `quick` is executed, its subjects are gone from the stream (nats-server keeps memory for every
 run's subjects it holds: the reason for the purge) while `slow`'s running output is untouched;
 `GET /logs` of `quick` is the end of its output from the store (`source: store`), its log stream
-one `recorded` chunk and `end`, and a client resuming after an id it had gets only `end`. Each
-assertion fails without its part: no purge (the first wait times out), no store fallback (`found`
-false), the purge of a run still held (`slow`'s tail gone).
+one `recorded` chunk and `end` — for a client resuming after an id it had too (it may have missed
+the rest). Each assertion fails without its part: no purge (the first wait times out, checked), no
+store fallback (`found` false), a purge wider than the run's subjects (`slow`'s tail gone).
 """
 
 from __future__ import annotations
@@ -104,9 +104,10 @@ async def test_a_settled_runs_output_leaves_the_stream_and_its_log_comes_from_th
     assert frames[0].id is None
     assert decode(frames[0].data, LogChunk) == LogChunk(stream="recorded", text=tail.text)
     assert decode(frames[1].data, RunStreamEnd) == RunStreamEnd(run_id=quick, status="succeeded")
-    # a client that had read up to an id before the purge only learns the end
+    # a client that had read up to an id before the purge gets the recorded end of it too
     resumed = await collect(pipeline.gw.follow_run(quick, "logs", last_event_id=1, reconnects=0))
-    assert [f.event for f in resumed] == ["end"]
+    assert [f.event for f in resumed] == ["log", "end"]
+    assert resumed[0].data == frames[0].data
     live = await pipeline.gw.live_trace(quick)
     assert (live.status, live.found, live.events) == ("succeeded", False, ())
 

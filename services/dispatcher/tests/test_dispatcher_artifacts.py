@@ -149,3 +149,23 @@ async def test_offload_keeps_a_large_execution_under_the_bus_limit(stock_bus: Na
     assert len(encode(out)) < 4096
     small = msgspec.structs.replace(executed, result=msgspec.structs.replace(result, answer="ok"))
     assert await objects.offload(small) is small
+
+
+async def test_the_end_of_the_output_is_dropped_before_a_result_is_lost(stock_bus: NatsClient) -> None:
+    """`output_tail` (for the log view) never makes an execution too large: an event that fits
+    without it loses it, one that fits with it keeps it."""
+    result = CaseResult(case_id="c1", run_id="r1", harness="h@1", answer="ok")
+    executed = CaseExecuted(
+        batch_id="b",
+        case_id="c1",
+        run_id="r1",
+        status="succeeded",
+        result=result,
+        plan=CasePlan(),
+        output_tail="x" * 9000,
+    )
+    limit = len(encode(executed)) + 8 * 1024 - 100  # headroom included: just too large with the tail
+    out = await RunObjects(stock_bus.jetstream(), max_event_bytes=limit).offload(executed)
+    assert (out.status, out.output_tail, out.result.answer) == ("succeeded", None, "ok")
+    roomy = RunObjects(stock_bus.jetstream(), max_event_bytes=limit + 200)
+    assert await roomy.offload(executed) is executed

@@ -47,6 +47,7 @@ ALICE, BOB = "tok-alice", "tok-bob"
 def test_rejudge_events_replaces_ids_and_judges_and_keeps_results() -> None:
     script = BatchScript("bold", batch_spec(("c1", "c2")))
     stored = [script.executed("c1", passed=True), script.executed("c2", passed=False)]
+    stored[0] = msgspec.structs.replace(stored[0], output_tail="what c1 printed")
     new_judges = (ContainsJudge(id="contains"),)
     requested, cases = rejudge_events(
         old_batch_id="bold", new_batch_id="bnew", spec=script.spec, judges=new_judges, submitted_by="bob", stored=stored
@@ -62,6 +63,7 @@ def test_rejudge_events_replaces_ids_and_judges_and_keeps_results() -> None:
         assert new.result == msgspec.structs.replace(old.result, run_id=new.run_id)
         assert new.case == old.case
         assert new.trace_complete
+        assert new.output_tail == old.output_tail  # the re-judged run's log is its original's
 
 
 @pytest.mark.unit

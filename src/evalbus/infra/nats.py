@@ -64,6 +64,9 @@ class NatsServer:
     name: str = "evalbus"
     log_file: Path | None = None
     extra_args: list[str] = field(default_factory=list)
+    prof_port: int | None = None
+    """Go's profiler on loopback (`/debug/pprof/...`), when started with one (benchmarks read the
+    server's heap from it)."""
 
     @property
     def url(self) -> str:
@@ -105,12 +108,14 @@ def start_nats(
     log_file: Path | None = None,
     include: Path | None = None,
     env: Mapping[str, str] | None = None,
+    prof_port: int | None = None,
 ) -> NatsServer:
     """Start nats-server with JetStream storing under `data_dir`; wait until it accepts clients.
 
     `include`: a configuration file included after the server's own (the accounts and users of
     `evalbus up --secure`); `env`: extra environment for the server (the users' passwords it
-    reads as `$NATS_PASSWORD_<USER>`), never passed to anything else.
+    reads as `$NATS_PASSWORD_<USER>`), never passed to anything else; `prof_port`: serve Go's
+    profiler there, on loopback (`NatsServer.prof_port`).
 
     `detach` puts it in a session of its own so it outlives the caller (as `evalbus up` needs).
     `max_payload` defaults to the `EVALBUS_NATS_MAX_PAYLOAD` setting (`max_payload_setting`).
@@ -128,6 +133,8 @@ def start_nats(
         f"max_payload: {max_payload}",
         'jetstream { store_dir: "%s" }' % (data_dir / "js"),
     ]
+    if prof_port is not None:
+        conf.append(f"prof_port: {prof_port}")  # on the listen host: loopback
     if cluster_port is not None:
         route_list = ", ".join(f"nats://127.0.0.1:{r}" for r in routes or [])
         conf.append(f"cluster {{ name: {cluster_name}, listen: 127.0.0.1:{cluster_port}, routes: [{route_list}] }}")
@@ -152,6 +159,7 @@ def start_nats(
         cluster_port=cluster_port,
         name=name,
         log_file=log_file,
+        prof_port=prof_port,
     )
     if wait:
         try:

@@ -65,7 +65,8 @@ class LiveTraceView(msgspec.Struct, frozen=True, kw_only=True):
     """Whether the LIVE stream holds any mark or event of the run."""
     events: tuple[TraceEvent, ...]
     """Infra marks (accepted, waiting, started, released) and the events the harness printed, in
-    the order they were published; the last 2,000 harness events of the last 15 minutes."""
+    the order they were published; the last 2,000 harness events of the last 15 minutes, and a
+    settled run's only until 2 minutes after it settled (then the sealed trajectory is the record)."""
     last_event_id: int | None = None
     """LIVE stream sequence of the last event: `Last-Event-ID` for `/trajectory/live/stream`."""
 

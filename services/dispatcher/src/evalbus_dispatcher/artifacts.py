@@ -202,6 +202,10 @@ class RunObjects:
         out = executed if result is executed.result else msgspec.structs.replace(executed, result=result)
         if self.max_event_bytes:
             size = len(encode(out))
+            if size > self.max_event_bytes - EVENT_HEADROOM and out.output_tail is not None:
+                # the end of the output is a convenience for the log view: never why a result is lost
+                out = msgspec.structs.replace(out, output_tail=None)
+                size = len(encode(out))
             if size > self.max_event_bytes - EVENT_HEADROOM:
                 return too_large(out, size, self.max_event_bytes)
         return out

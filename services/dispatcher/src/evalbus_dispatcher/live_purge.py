@@ -10,8 +10,12 @@ which `GET /v1/runs/{id}/logs` answers from once the stream no longer holds it).
 age stays as the bound for what a purge misses (a replica that stopped before a run's purge was
 due, a run nobody settled).
 
-A run this replica holds again when its purge is due (a redelivery run here) is left alone. Purges
-are best effort: one that fails is counted and not retried (the max age removes it).
+A run that runs again when its purge is due is left alone: one this replica holds, or one whose
+last mark on the stream is another execution's (a replica that took the run over while this one
+still ran it, or a cancelled duplicate that settled first). Purges are best effort: one that fails
+is counted and not retried, and a run whose `case.executed` was stored without this replica
+learning it (a lost PubAck, then a redelivery settled by the stream) is not scheduled; the max age
+removes both.
 """
 
 from __future__ import annotations
@@ -23,19 +27,33 @@ import time
 from collections.abc import Callable
 
 import nats.errors
+import nats.js.errors
 from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry, Counter
 
+from evalbus_contracts import DecodeError, InfraMark, decode_event
 from evalbus_contracts.streams import LIVE
-from evalbus_contracts.subjects import live_filter
+from evalbus_contracts.subjects import live_filter, live_subject
 from evalbus_runtime.tasks import cancel_and_wait
 
 log = logging.getLogger("evalbus.dispatcher.live_purge")
 
 
+def purge_counter(registry: CollectorRegistry | None) -> Counter:
+    """`evalbus_live_purges_total{result}` in `registry` (made once per service)."""
+    return Counter(
+        "evalbus_live_purges_total",
+        "Settled runs whose output was purged from the LIVE stream, by result (purged; held: the run "
+        "runs again, on this replica or another; failed)",
+        ["result"],
+        registry=registry,
+    )
+
+
 class LivePurger:
-    """Purges the LIVE output of settled runs, each `keep_s` after `settled(run_id)` was called, in
-    the order they settled (one purge at a time: a JetStream API request each)."""
+    """Purges the LIVE output of settled runs, each `keep_s` after `settled(run_id, execution)` was
+    called, in the order they settled (one purge at a time: two JetStream API requests each, the
+    run's last mark and the purge)."""
 
     def __init__(
         self,
@@ -43,30 +61,25 @@ class LivePurger:
         *,
         keep_s: float,
         holds: Callable[[str], bool],
-        registry: CollectorRegistry | None = None,
+        purges: Counter,
     ) -> None:
         self._js = js
         self._keep_s = keep_s
         self._holds = holds
-        self._due: collections.deque[tuple[float, str]] = collections.deque()
+        self._due: collections.deque[tuple[float, str, str]] = collections.deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.purges = Counter(
-            "evalbus_live_purges_total",
-            "Settled runs whose output was purged from the LIVE stream, by result (purged, held: the "
-            "replica runs it again, failed)",
-            ["result"],
-            registry=registry,
-        )
+        self.purges = purges
 
     @property
     def pending(self) -> int:
         """Runs whose purge is not due yet."""
         return len(self._due)
 
-    def settled(self, run_id: str) -> None:
-        """`run_id`'s `case.executed` is on the stream: purge its output in `keep_s`."""
-        self._due.append((time.monotonic() + self._keep_s, run_id))
+    def settled(self, run_id: str, execution: str) -> None:
+        """`run_id`'s `case.executed` is on the stream, from this replica's `execution` of it: purge
+        its output in `keep_s`."""
+        self._due.append((time.monotonic() + self._keep_s, run_id, execution))
         self._wake.set()
 
     def start(self) -> None:
@@ -86,7 +99,7 @@ class LivePurger:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            due, run_id = self._due[0]
+            due, run_id, execution = self._due[0]
             delay = due - time.monotonic()
             if delay > 0:
                 # every later entry is due later (one keep for all, appended in order): nothing
@@ -94,17 +107,34 @@ class LivePurger:
                 await asyncio.sleep(delay)
                 continue
             self._due.popleft()
-            await self.purge(run_id)
+            try:
+                await self.purge(run_id, execution)
+            except Exception:  # never the end of the loop: the next run's purge still comes
+                self.purges.labels("failed").inc()
+                log.exception("purging the live output of %s failed", run_id)
 
-    async def purge(self, run_id: str) -> None:
-        """Purge `run_id`'s output now, unless this replica holds the run again."""
-        if self._holds(run_id):
-            self.purges.labels("held").inc()
-            return
+    async def purge(self, run_id: str, execution: str) -> None:
+        """Purge `run_id`'s output now, unless it runs again: this replica holds it, or its last
+        mark on the stream is not `execution`'s."""
         try:
+            if self._holds(run_id) or await self._last_execution(run_id) not in (execution, None):
+                self.purges.labels("held").inc()
+                return
             await self._js.purge_stream(LIVE.name, subject=live_filter(run_id))
         except (OSError, TimeoutError, nats.errors.Error) as e:
             self.purges.labels("failed").inc()
             log.warning("purging the live output of %s failed (the stream's max age removes it): %s", run_id, e)
             return
         self.purges.labels("purged").inc()
+
+    async def _last_execution(self, run_id: str) -> str | None:
+        """The execution of the run's last mark on the stream (None: no mark, or one without it)."""
+        try:
+            raw = await self._js.get_last_msg(LIVE.name, live_subject(run_id, "infra"))
+        except nats.js.errors.NotFoundError:
+            return None
+        try:
+            event = decode_event(raw.data or b"")
+        except (DecodeError, ValueError):
+            return None
+        return event.execution if isinstance(event, InfraMark) else None

@@ -40,7 +40,7 @@ from evalbus_dispatcher.control import LiveControls
 from evalbus_dispatcher.execute import Queued, execute_case, run_id_of
 from evalbus_dispatcher.fanout import fan_out_batch
 from evalbus_dispatcher.live_bus import LiveBus
-from evalbus_dispatcher.live_purge import LivePurger
+from evalbus_dispatcher.live_purge import LivePurger, purge_counter
 from evalbus_dispatcher.placement import SAMPLE_INTERVAL_S
 from evalbus_dispatcher.presence import STATUS_INTERVAL_S, Presence, default_replica_id
 from evalbus_dispatcher.retry import next_attempt, should_retry
@@ -340,11 +340,13 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
     screens = ScreenSessions()
     runner_auth: list[RunnerAuth] = []
     purger: list[LivePurger] = []
+    purges = purge_counter(service.metrics.registry)
 
-    def settled(run_id: str, delivery: Delivery) -> None:
+    def settled(run_id: str, live: LiveBus, delivery: Delivery) -> None:
         """Purge the run's live output once its `case.executed` is on the stream, and kept a while."""
         if purger:
-            delivery.on_published(lambda: purger[0].settled(run_id))
+            target = purger[0]
+            delivery.on_published(lambda: target.settled(run_id, live.execution))
 
     async def start(svc: Service) -> None:
         swept = await asyncio.to_thread(sweep_orphans, backend.root)
@@ -356,11 +358,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
             await room.start()
         await presence.start(svc.js)
         if settings.live_keep_settled_s >= 0:
-            purger.append(
-                LivePurger(
-                    svc.js, keep_s=settings.live_keep_settled_s, holds=presence.holds, registry=svc.metrics.registry
-                )
-            )
+            purger.append(LivePurger(svc.js, keep_s=settings.live_keep_settled_s, holds=presence.holds, purges=purges))
             purger[0].start()
         controls.bind(svc.nc)
         await screens.start()
@@ -374,6 +372,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
     async def stop(_: Service) -> None:
         for p in purger:
             await p.stop()
+        purger.clear()
         for auth in runner_auth:
             await auth.close()
         await controls.close()
@@ -410,7 +409,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
             raise Poison(f"case.requested without a run: {e}") from e
         reason = await cancels.reason(service.js, req.batch_id)
         if reason is not None:
-            settled(run_id_of(req), delivery)
+            settled(run_id_of(req), LiveBus(service.publisher, req), delivery)
             return [cancelled_execution(req, reason)]
         backoff = settings.retry_backoff_s * (req.attempt - 1)
         if backoff > 0 and delivery.num_delivered == 1:
@@ -465,7 +464,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         if should_retry(executed, req.attempt, req.plan.retries):
             log.info("retrying %s after a retryable %s failure", executed.run_id, executed.result.failure)
             return [next_attempt(req)]
-        settled(run_id, delivery)
+        settled(run_id, live, delivery)
         return [executed]
 
     service.on_start(start)

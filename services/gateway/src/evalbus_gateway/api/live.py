@@ -62,7 +62,7 @@ from evalbus_gateway.live.views import (
     trace_frames,
 )
 from evalbus_gateway.state import GatewayState
-from evalbus_gateway.store.queries import get_harness_trace, get_output_tail
+from evalbus_gateway.store.queries import OutputTail, get_harness_trace, get_output_tail
 
 log = logging.getLogger("evalbus.gateway.live")
 
@@ -115,7 +115,7 @@ async def live_trace_link(state: GatewayState, view: RunView) -> LiveTraceLink |
 SETTLED: frozenset[RunStatus] = frozenset({"succeeded", "failed", "cancelled"})
 
 
-async def recorded_tail(state: GatewayState, run_id: str) -> str | None:
+async def recorded_tail(state: GatewayState, run_id: str) -> OutputTail | None:
     """The end of a settled run's output as the event store holds it: what its log is once the
     dispatcher purged it from the LIVE stream (`DISPATCHER_LIVE_KEEP_SETTLED_S` after it settled)."""
     return await get_output_tail(state.pool, run_id)
@@ -134,7 +134,7 @@ async def run_logs(call: Call) -> web.StreamResponse:
     if last is None:
         stored = await recorded_tail(call.state, run.run_id) if status in SETTLED else None
         if stored is not None:
-            return _json(LogTail(run_id=run.run_id, status=status, found=True, text=stored, source="store"))
+            return _json(LogTail(run_id=run.run_id, status=status, found=True, text=stored.text, source="store"))
         return _json(LogTail(run_id=run.run_id, status=status, found=False, text=""))
     start = await locate_tail(js, last)
     chunks = await read_live(js, subject, start_seq=start.seq, until_seq=last.seq)
@@ -308,15 +308,15 @@ async def run_logs_stream(call: Call) -> web.StreamResponse:
     run = await visible_live_run(call, run_id)
     js = call.state.js
     subject = live_subjects(run.run_id, "log")
-    prelude = b""
+    last = await last_on(js, subject[0])
     if last_event_id is not None:
         start = TailStart(seq=last_event_id + 1)
     else:
-        last = await last_on(js, subject[0])
         start = await locate_tail(js, last) if last is not None else TailStart(seq=None)
-        if last is None and run.view is not None and run.view.executed_status is not None:
-            stored = await recorded_tail(call.state, run.run_id)  # its output has left the stream
-            prelude = b"" if stored is None else recorded_frame(stored)
+    prelude = b""
+    if last is None:  # nothing of its output on the stream: a settled run's may have left it
+        stored = await recorded_tail(call.state, run.run_id)
+        prelude = b"" if stored is None else recorded_frame(stored.text, stored.attempt)
 
     def render(stored: Stored, skip: int) -> list[bytes]:
         return log_frames(stored, skip=skip)
@@ -378,7 +378,7 @@ ROUTES: tuple[Route, ...] = (
         "stream sequence, `data:` `{stream, text, attempt}`. `Last-Event-ID` resumes exactly after that sequence, on "
         "any replica. `: heartbeat` comments on a quiet stream; once the run settled, `event: end` with "
         "`{run_id, status}` and the stream closes. A settled run whose output has left the stream gets one "
-        "`event: log` without `id` (`stream: recorded`, its recorded tail), then `end`.",
+        "`event: log` without `id` (`stream: recorded`, its recorded tail), then `end`, resumed or not.",
         params=(_RUN_ID, _LAST_EVENT_ID),
         responses={200: _SSE},
     ),

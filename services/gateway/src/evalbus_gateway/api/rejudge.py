@@ -107,6 +107,7 @@ def replayed_case(
         trace_complete=complete,
         deferred_graders=deferred,
         rejudge_of=old_batch_id,
+        output_tail=executed.output_tail,
     )
 
 

@@ -196,7 +196,7 @@ def project(
         oom=used.oom if used is not None and used.state == "exited" else None,
     )
     if status not in ("queued", "running"):
-        if not current:  # marks older than the LIVE stream's 15 minutes are gone (or it never ran: a re-judge)
+        if not current:  # purged 2 minutes after it settled, or aged out (or it never ran: a re-judge)
             return replace(placed, phase="dead", reason=f"the run settled ({status}); its live marks are gone")
         if exited is not None:
             return replace(placed, phase="dead", reason=f"the run settled ({status}); the harness {exited.message}")

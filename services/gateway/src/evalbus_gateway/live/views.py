@@ -117,9 +117,9 @@ def log_frames(stored: Stored, *, skip: int = 0) -> list[bytes]:
     return [frame(encode(chunk), event="log", event_id=stored.seq)]
 
 
-def recorded_frame(text: str) -> bytes:
+def recorded_frame(text: str, attempt: int) -> bytes:
     """The one `log` frame of a settled run's recorded output (no `id`: nothing follows it)."""
-    return frame(encode(LogChunk(stream="recorded", text=text)), event="log")
+    return frame(encode(LogChunk(stream="recorded", text=text, attempt=attempt)), event="log")
 
 
 def trace_frames(stored: Stored) -> list[bytes]:

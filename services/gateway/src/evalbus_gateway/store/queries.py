@@ -6,7 +6,7 @@ keyset cursor (the last run id of the previous page), stable while runs are adde
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
@@ -218,16 +218,25 @@ async def get_trajectory(db: Database, run_id: str) -> Trajectory | None:
     )
 
 
-async def get_output_tail(db: Database, run_id: str) -> str | None:
-    """The end of a settled run's output as its last `case.executed` recorded it (`output_tail`, or
-    its failure's `log_tail`); None when the run is not recorded as executed or printed nothing."""
+class OutputTail(NamedTuple):
+    """The end of a settled run's output, as recorded."""
+
+    text: str
+    attempt: int
+
+
+async def get_output_tail(db: Database, run_id: str) -> OutputTail | None:
+    """The end of a settled run's output as its `case.executed` recorded it (`output_tail`, or its
+    failure's `log_tail`; the store keeps one `case.executed` a run); None when the run is not
+    recorded as executed or printed nothing."""
     async with acquire(db) as conn:
         row = await conn.fetchrow(
-            "SELECT coalesce(body->>'output_tail', body->'result'->'failure'->>'log_tail') AS tail FROM events "
+            "SELECT coalesce(body->>'output_tail', body->'result'->'failure'->>'log_tail') AS tail, "
+            "coalesce((body->>'attempt')::int, 1) AS attempt FROM events "
             "WHERE run_id = $1 AND type = 'case.executed' ORDER BY stream_seq DESC LIMIT 1",
             run_id,
         )
-    return None if row is None else row["tail"]
+    return None if row is None or row["tail"] is None else OutputTail(text=row["tail"], attempt=row["attempt"])
 
 
 async def open_batches_by_supersede_key(db: Database, supersede_key: str) -> list[str]:
