@@ -8,8 +8,9 @@ Every `--sample-s` (60) seconds it samples: the resident memory of every process
 services, nats-server, the embedded PostgreSQL when it is ours), the CASES stream's messages and
 bytes, the event store's size, the p50/p99 of `case.requested` → `case.exported` for the cases
 exported in that interval, and nats-server's Go heap from its profiler (`HeapAlloc`: live objects
-and garbage not yet collected; `HeapInuse`; `HeapIdle - HeapReleased`: freed memory the runtime
-keeps; `Sys`), which tells the server's growth in its own data from its allocator's slack.
+and garbage not yet collected; `NextGC / 2`: what was live at the last collection, with Go's
+default `GOGC` of 100; `HeapIdle - HeapReleased`: freed memory the runtime keeps; `Sys`), which
+tells the server's growth in its own data from its collector's slack.
 
 Goals: no process's RSS at the end above 1.2 × its RSS at the baseline sample (minute 5, or
 `--baseline-min`); the last interval's p99 within 1.5 × the baseline interval's; nothing lost or
@@ -121,7 +122,7 @@ async def sample(
     }
 
 
-GO_STATS = ("HeapAlloc", "HeapInuse", "HeapIdle", "HeapReleased", "Sys", "NumGC")
+GO_STATS = ("HeapAlloc", "HeapInuse", "HeapIdle", "HeapReleased", "NextGC", "Sys", "NumGC")
 
 
 async def go_memstats(prof_port: int) -> dict[str, int]:
@@ -213,13 +214,20 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     return summarize(args, samples, submitted, len(arrivals.exported), doubled, stored)
 
 
+def live_heap(s: dict[str, Any]) -> float | None:
+    """nats-server's live heap at its last collection in sample `s` (`NextGC / 2`: Go's default
+    `GOGC` of 100), None when its profiler did not answer."""
+    go = s.get("nats_go") or {}
+    return go["NextGC"] / 2 if "NextGC" in go else None
+
+
 def _line(s: dict[str, Any]) -> str:
     rss = " ".join(f"{n}={(v or 0) / 2**20:.0f}M" for n, v in s["rss"].items() if v is not None)
     go = s.get("nats_go") or {}
     heap = (
-        f"; nats heap {go['HeapAlloc'] / 2**20:.0f}M in use {go['HeapInuse'] / 2**20:.0f}M "
+        f"; nats heap {go['HeapAlloc'] / 2**20:.0f}M live {go['NextGC'] / 2 / 2**20:.0f}M "
         f"kept {(go['HeapIdle'] - go['HeapReleased']) / 2**20:.0f}M"
-        if {"HeapAlloc", "HeapInuse", "HeapIdle", "HeapReleased"} <= go.keys()
+        if {"HeapAlloc", "NextGC", "HeapIdle", "HeapReleased"} <= go.keys()
         else ""
     )
     return (
@@ -344,6 +352,7 @@ def cli() -> None:
             "LIVE MiB",
             "store MiB",
             *[f"{n} MiB" for n in names],
+            "nats live MiB",
         )
     ]
     for s in out["samples"]:
@@ -358,6 +367,7 @@ def cli() -> None:
                 fmt(s.get("live_bytes", 0) / 2**20, digits=1),
                 fmt(s["store_bytes"] / 2**20, digits=1),
                 *[fmt((s["rss"].get(n) or 0) / 2**20, digits=0) for n in names],
+                fmt((live_heap(s) or 0) / 2**20, digits=0) if live_heap(s) else "",
             )
         )
     notes = [*goal_notes(out["goals"]), *(f"written: {w}" for w in written)]
