@@ -268,23 +268,25 @@ def live_goals(out: dict[str, Any]) -> list[Goal]:
     ]
 
 
+def shape_row(name: str, shape: dict[str, Any], *per: float) -> tuple[str, ...]:
+    """A shape's table row: its counts, its RSS before and after, then the `per` figures (bytes)."""
+    return (
+        name,
+        f"{shape['messages']:,}",
+        f"{shape['subjects']:,}",
+        fmt(shape["rss_before"] / 2**20, " MiB", 1),
+        fmt(shape["rss_after"] / 2**20, " MiB", 1),
+        *(fmt(value, "", 0) for value in per),
+    )
+
+
 def live_main(args: argparse.Namespace) -> int:
     out = asyncio.run(measure_live(args))
     goals = live_goals(out)
     out["goals"] = [msgspec.to_builtins(g) for g in goals]
     out["ok"] = all(g.passed for g in goals)
-    rows = [("shape", "messages", "subjects", "RSS before", "RSS after", "bytes/run")]
-    for name, s in out["shapes"].items():
-        rows.append(
-            (
-                name,
-                f"{s['messages']:,}",
-                f"{s['subjects']:,}",
-                fmt(s["rss_before"] / 2**20, " MiB", 1),
-                fmt(s["rss_after"] / 2**20, " MiB", 1),
-                fmt(s["bytes_per_run"], "", 0),
-            )
-        )
+    rows: list[tuple[str, ...]] = [("shape", "messages", "subjects", "RSS before", "RSS after", "bytes/run")]
+    rows += [shape_row(name, s, s["bytes_per_run"]) for name, s in out["shapes"].items()]
     notes = [
         f"the ring at the soak's {SOAK_RUNS_PER_S:g} runs/s: {out['ring_mb_max_age']:.1f} MiB when every run stays "
         f"{RING_S / 60:g} minutes, {out['ring_mb_keep_settled']:.1f} MiB when a settled run leaves after "
@@ -365,19 +367,10 @@ def main() -> int:
     goals = goals_of(out)
     out["goals"] = [msgspec.to_builtins(g) for g in goals]
     out["ok"] = all(g.passed for g in goals)
-    rows = [("shape", "messages", "subjects", "RSS before", "RSS after", "bytes/message", "growth/message")]
-    for name, s in out["shapes"].items():
-        rows.append(
-            (
-                name,
-                f"{s['messages']:,}",
-                f"{s['subjects']:,}",
-                fmt(s["rss_before"] / 2**20, " MiB", 1),
-                fmt(s["rss_after"] / 2**20, " MiB", 1),
-                fmt(s["bytes_per_message"], "", 0),
-                fmt(s["growth_per_message"], "", 0),
-            )
-        )
+    rows: list[tuple[str, ...]] = [
+        ("shape", "messages", "subjects", "RSS before", "RSS after", "bytes/message", "growth/message")
+    ]
+    rows += [shape_row(name, s, s["bytes_per_message"], s["growth_per_message"]) for name, s in out["shapes"].items()]
     for part, value in out["parts_bytes_per_message"].items():
         rows.append((f"  part: {part}", "", "", "", "", fmt(value, "", 0), ""))
     notes = [
