@@ -14,9 +14,9 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from evalbus.infra.nats import NatsServer
-from evalbus.testing.bus import make_consumer, request
+from evalbus.testing.bus import executed, make_consumer, request
 from evalbus.testing.pipeline import eventually
-from evalbus_contracts import CaseExecuted, CasePlan, CaseRequested, CaseResult, decode_event, encode_token
+from evalbus_contracts import CaseExecuted, CaseRequested, decode_event, encode_token
 from evalbus_contracts.events import EventBase
 from evalbus_runtime import (
     Delivery,
@@ -112,26 +112,13 @@ async def test_health_ready_and_metrics_endpoints(fresh_nats: NatsServer) -> Non
         await service.stop()
 
 
-def executed_for(event: CaseRequested) -> CaseExecuted:
-    """A succeeded `case.executed` answering `event`."""
-    result = CaseResult(case_id=event.case.id, run_id=event.run_id or "", harness="h@1")
-    return CaseExecuted(
-        batch_id=event.batch_id,
-        case_id=event.case_id,
-        run_id=event.run_id,
-        status="succeeded",
-        result=result,
-        plan=CasePlan(),
-    )
-
-
 @pytest.mark.integration
 async def test_traceparent_is_carried_from_input_to_outputs(fresh_nats: NatsServer) -> None:
     service = Service(ServiceSettings(service="relay", nats_url=fresh_nats.url))
     batch = f"b{uuid.uuid4().hex[:6]}"
 
     async def handle(event: CaseRequested, _: Delivery) -> Sequence[EventBase]:
-        return [executed_for(event)]
+        return [executed(event)]
 
     service.add_stage(Stage(consumer=make_consumer(batch), handler=handle, accepts=(CaseRequested,)))
     await service.start()
@@ -169,7 +156,7 @@ async def test_on_published_runs_once_the_output_is_acknowledged_and_only_then(f
             return []
         if event.case_id == "broken" and delivery.num_delivered == 1:
             raise RuntimeError("fails once")
-        return [executed_for(event)]
+        return [executed(event)]
 
     service.add_stage(Stage(consumer=make_consumer(batch), handler=handle, accepts=(CaseRequested,)))
     await service.start()
