@@ -223,11 +223,11 @@ def live_heap(s: dict[str, Any]) -> float | None:
 
 def _line(s: dict[str, Any]) -> str:
     rss = " ".join(f"{n}={(v or 0) / 2**20:.0f}M" for n, v in s["rss"].items() if v is not None)
-    go = s.get("nats_go") or {}
+    go, live = s.get("nats_go") or {}, live_heap(s)
     heap = (
-        f"; nats heap {go['HeapAlloc'] / 2**20:.0f}M live {go['NextGC'] / 2 / 2**20:.0f}M "
+        f"; nats heap {go['HeapAlloc'] / 2**20:.0f}M live {live / 2**20:.0f}M "
         f"kept {(go['HeapIdle'] - go['HeapReleased']) / 2**20:.0f}M"
-        if {"HeapAlloc", "NextGC", "HeapIdle", "HeapReleased"} <= go.keys()
+        if live is not None and {"HeapAlloc", "HeapIdle", "HeapReleased"} <= go.keys()
         else ""
     )
     return (
@@ -367,7 +367,7 @@ def cli() -> None:
                 fmt(s.get("live_bytes", 0) / 2**20, digits=1),
                 fmt(s["store_bytes"] / 2**20, digits=1),
                 *[fmt((s["rss"].get(n) or 0) / 2**20, digits=0) for n in names],
-                fmt((live_heap(s) or 0) / 2**20, digits=0) if live_heap(s) else "",
+                fmt(live / 2**20, digits=0) if (live := live_heap(s)) is not None else "",
             )
         )
     notes = [*goal_notes(out["goals"]), *(f"written: {w}" for w in written)]

@@ -135,7 +135,8 @@ class Delivery:
     _released: bool = False
     stored_ns: int = 0
     """When JetStream stored the message, Unix nanoseconds (0 when the ack subject does not say)."""
-    _on_published: list[Callable[[], None]] = field(default_factory=list)
+    _on_published: list[Callable[[], None]] | None = None
+    """Callbacks of `on_published` (None until a handler registers one: most never do)."""
 
     def on_published(self, callback: Callable[[], None]) -> None:
         """Call `callback` once the handler's outputs are on the stream (every PubAck in; before
@@ -143,10 +144,12 @@ class Delivery:
         the purge of a run's live output only once its `case.executed` is stored. Not called when
         the handler returns nothing, fails, or the message is poison; a callback that raises is
         logged and does not fail the message."""
+        if self._on_published is None:
+            self._on_published = []
         self._on_published.append(callback)
 
     def _published(self) -> None:
-        for callback in self._on_published:
+        for callback in self._on_published or ():
             try:
                 callback()
             except Exception:

@@ -66,7 +66,7 @@ class LivePurger:
         self._js = js
         self._keep_s = keep_s
         self._holds = holds
-        self._due: collections.deque[tuple[float, str, str]] = collections.deque()
+        self._due: collections.deque[tuple[float, str, str | None]] = collections.deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.purges = purges
@@ -76,9 +76,9 @@ class LivePurger:
         """Runs whose purge is not due yet."""
         return len(self._due)
 
-    def settled(self, run_id: str, execution: str) -> None:
-        """`run_id`'s `case.executed` is on the stream, from this replica's `execution` of it: purge
-        its output in `keep_s`."""
+    def settled(self, run_id: str, execution: str | None) -> None:
+        """`run_id`'s `case.executed` is on the stream, from this replica's `execution` of it (None:
+        it executed nothing, a cancelled run): purge its output in `keep_s`."""
         self._due.append((time.monotonic() + self._keep_s, run_id, execution))
         self._wake.set()
 
@@ -113,9 +113,9 @@ class LivePurger:
                 self.purges.labels("failed").inc()
                 log.exception("purging the live output of %s failed", run_id)
 
-    async def purge(self, run_id: str, execution: str) -> None:
+    async def purge(self, run_id: str, execution: str | None) -> None:
         """Purge `run_id`'s output now, unless it runs again: this replica holds it, or its last
-        mark on the stream is not `execution`'s."""
+        mark on the stream is not `execution`'s (with None: any mark)."""
         try:
             if self._holds(run_id) or await self._last_execution(run_id) not in (execution, None):
                 self.purges.labels("held").inc()

@@ -342,11 +342,11 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
     purger: list[LivePurger] = []
     purges = purge_counter(service.metrics.registry)
 
-    def settled(run_id: str, live: LiveBus, delivery: Delivery) -> None:
+    def settled(run_id: str, execution: str | None, delivery: Delivery) -> None:
         """Purge the run's live output once its `case.executed` is on the stream, and kept a while."""
         if purger:
             target = purger[0]
-            delivery.on_published(lambda: target.settled(run_id, live.execution))
+            delivery.on_published(lambda: target.settled(run_id, execution))
 
     async def start(svc: Service) -> None:
         swept = await asyncio.to_thread(sweep_orphans, backend.root)
@@ -409,7 +409,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
             raise Poison(f"case.requested without a run: {e}") from e
         reason = await cancels.reason(service.js, req.batch_id)
         if reason is not None:
-            settled(run_id_of(req), LiveBus(service.publisher, req), delivery)
+            settled(run_id_of(req), None, delivery)
             return [cancelled_execution(req, reason)]
         backoff = settings.retry_backoff_s * (req.attempt - 1)
         if backoff > 0 and delivery.num_delivered == 1:
@@ -464,7 +464,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         if should_retry(executed, req.attempt, req.plan.retries):
             log.info("retrying %s after a retryable %s failure", executed.run_id, executed.result.failure)
             return [next_attempt(req)]
-        settled(run_id, live, delivery)
+        settled(run_id, live.execution, delivery)
         return [executed]
 
     service.on_start(start)

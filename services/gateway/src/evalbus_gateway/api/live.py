@@ -62,7 +62,7 @@ from evalbus_gateway.live.views import (
     trace_frames,
 )
 from evalbus_gateway.state import GatewayState
-from evalbus_gateway.store.queries import OutputTail, get_harness_trace, get_output_tail
+from evalbus_gateway.store.queries import get_harness_trace, get_output_tail
 
 log = logging.getLogger("evalbus.gateway.live")
 
@@ -112,14 +112,6 @@ async def live_trace_link(state: GatewayState, view: RunView) -> LiveTraceLink |
 
 # ---------------------------------------------------------------- snapshots
 
-SETTLED: frozenset[RunStatus] = frozenset({"succeeded", "failed", "cancelled"})
-
-
-async def recorded_tail(state: GatewayState, run_id: str) -> OutputTail | None:
-    """The end of a settled run's output as the event store holds it: what its log is once the
-    dispatcher purged it from the LIVE stream (`DISPATCHER_LIVE_KEEP_SETTLED_S` after it settled)."""
-    return await get_output_tail(state.pool, run_id)
-
 
 def _json(value: object) -> web.Response:
     return web.Response(body=encode(value), content_type="application/json")
@@ -132,7 +124,9 @@ async def run_logs(call: Call) -> web.StreamResponse:
     subject = live_subjects(run.run_id, "log")
     last, status = await asyncio.gather(last_on(js, subject[0]), run_status(js, run))
     if last is None:
-        stored = await recorded_tail(call.state, run.run_id) if status in SETTLED else None
+        # nothing on the stream: a settled run's output may have left it (the dispatcher purges it
+        # `DISPATCHER_LIVE_KEEP_SETTLED_S` after the run settled); the store has its end
+        stored = await get_output_tail(call.state.pool, run.run_id)
         if stored is not None:
             return _json(LogTail(run_id=run.run_id, status=status, found=True, text=stored.text, source="store"))
         return _json(LogTail(run_id=run.run_id, status=status, found=False, text=""))
@@ -315,7 +309,7 @@ async def run_logs_stream(call: Call) -> web.StreamResponse:
         start = await locate_tail(js, last) if last is not None else TailStart(seq=None)
     prelude = b""
     if last is None:  # nothing of its output on the stream: a settled run's may have left it
-        stored = await recorded_tail(call.state, run.run_id)
+        stored = await get_output_tail(call.state.pool, run.run_id)
         prelude = b"" if stored is None else recorded_frame(stored.text, stored.attempt)
 
     def render(stored: Stored, skip: int) -> list[bytes]:
