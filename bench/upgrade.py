@@ -101,7 +101,9 @@ async def submit_anywhere(stack: ServiceStack, spec: BatchSpec) -> str:
 
 
 async def replace(stack: ServiceStack, old: str, new: str, env: dict[str, str]) -> None:
-    stack.service_env[new] = env
+    # a replica inherits its service's environment (the old build's PYTHONPATH): the new one is
+    # this checkout's, as the bench itself runs it
+    stack.service_env[new] = {"PYTHONPATH": os.environ.get("PYTHONPATH", ""), **env}
     await asyncio.to_thread(stack.start, new)
     await asyncio.to_thread(stack.kill, old, signal.SIGTERM)
 

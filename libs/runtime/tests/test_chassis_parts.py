@@ -99,12 +99,14 @@ async def test_health_ready_and_metrics_endpoints(fresh_nats: NatsServer) -> Non
                 assert r.status == 200
                 assert (await r.json())["checks"]["nats"] is True
             text = ""
-            for _ in range(200):
+
+            async def counted() -> bool:
+                nonlocal text
                 async with http.get(f"{base}/metrics") as r:
                     text = await r.text()
-                if 'outcome="ignored"' in text:
-                    break
-                await asyncio.sleep(0.02)
+                return 'outcome="ignored"} 1.0' in text
+
+            await eventually(counted, timeout_s=30, what="the ignored message counted", diagnostics=lambda: text)
             assert 'evalbus_messages_total{consumer="' in text
             assert 'outcome="ignored"} 1.0' in text
         await nc.close()

@@ -430,7 +430,8 @@ async def open_pipeline(
     to every other; the services get every node's URL and `STREAM_REPLICAS` = the node count).
 
     `env` goes to every service, `service_env` to one service each (after the defaults: judge
-    plugins, text logs; the dispatcher gets the gateway token secret for harnesses).
+    plugins, text logs; the dispatcher gets the gateway token secret for harnesses; the gateway
+    keeps finalized batches on CASES for an hour, so stream counts see every message).
     """
     await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
     nodes = start_nats_cluster(workdir / "nats", cluster) if cluster else [start_nats(workdir / "nats")]
@@ -453,6 +454,9 @@ async def open_pipeline(
         per_service = {name: dict(values) for name, values in (service_env or {}).items()}
         dispatcher = per_service.setdefault("dispatcher", {})
         dispatcher.setdefault("EVALBUS_SECRET_" + GATEWAY_TOKEN_SECRET.upper().replace("-", "_"), stack.admin_token)
+        # A finalized batch stays on CASES for an hour, not a minute: the tests count its messages on
+        # the stream (a duplicate shows there first) after waits that can outlast the default.
+        per_service.setdefault("gateway", {}).setdefault("GATEWAY_STREAM_KEEP_FINALIZED_S", "3600")
         stack.service_env = per_service
         await asyncio.to_thread(stack.start_all)
         nc = await connect(nats_url, "pipeline-test")

@@ -55,7 +55,8 @@ class ServiceStack:
     env: dict[str, str] = field(default_factory=dict)
     """Environment for every service."""
     service_env: dict[str, dict[str, str]] = field(default_factory=dict)
-    """Extra environment per service name."""
+    """Extra environment per service name (`"judge"` applies to its replicas `"judge@2"`… too;
+    `"judge@2"` to that replica alone, after it)."""
     admin_token: str = field(default_factory=lambda: secrets.token_hex(16))
     procs: dict[str, ServiceProc] = field(default_factory=dict)
     otlp_port: int = 0
@@ -89,7 +90,8 @@ class ServiceStack:
             "LOG_LEVEL": "INFO",
             "SHUTDOWN_TIMEOUT_S": "10",
             **self.env,
-            **self.service_env.get(name, {}),
+            **self.service_env.get(module, {}),  # a replica ("judge@2") is configured as its service
+            **(self.service_env.get(name, {}) if name != module else {}),
             **extra_env,
         }
         if module == "collector":  # a replica gets a receiver of its own
