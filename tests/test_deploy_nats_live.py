@@ -29,6 +29,7 @@ from nats.aio.msg import Msg
 from evalbus.infra import nats_accounts
 from evalbus.infra.nats import nats_server_binary
 from evalbus.infra.ports import free_port, wait_port
+from evalbus.testing.pipeline import eventually
 from evalbus_collector.service import CollectorSettings, build_collector
 from evalbus_contracts import (
     BatchRequested,
@@ -135,18 +136,26 @@ class Violations:
     """Permission errors the server sent one connection."""
 
     seen: list[str]
-    event: asyncio.Event
+
+    async def reported(self, *parts: str) -> None:
+        """Wait until the server has reported a violation naming every one of `parts` (it comes back
+        asynchronously, on the connection)."""
+        await eventually(
+            lambda: any(all(part in v for part in parts) for v in self.seen),
+            timeout_s=30,
+            what=f"a permissions violation naming {parts}",
+            diagnostics=lambda: f"violations reported: {self.seen}",
+        )
 
 
 @contextlib.asynccontextmanager
 async def connect_as(server: SecureNats, user: str) -> AsyncIterator[tuple[NatsClient, Violations]]:
     """A raw connection as `user`, collecting the permission violations the server reports."""
-    violations = Violations([], asyncio.Event())
+    violations = Violations([])
 
     async def on_error(e: Exception) -> None:
         if "permissions violation" in str(e).lower():  # nats-py reports the server's -ERR lower-cased
             violations.seen.append(str(e).lower())
-            violations.event.set()
 
     nc = await nats.connect(server.url(user), error_cb=on_error, allow_reconnect=False, connect_timeout=5)
     try:
@@ -261,8 +270,7 @@ async def test_a_judge_cannot_publish_case_exported(secure_nats: SecureNats) -> 
         assert ack.stream == "CASES"
         with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
             await js.publish("case.exported.b1.c1", b"{}", timeout=2)
-        await asyncio.wait_for(violations.event.wait(), 5)
-        assert any('"case.exported.b1.c1"' in v for v in violations.seen)
+        await violations.reported('"case.exported.b1.c1"')
         assert all("for publish to" in v for v in violations.seen)
 
 
@@ -286,8 +294,7 @@ async def test_dispatchers_answer_and_probe_hold_subjects_with_their_own_user(se
         assert holder_violations.seen == []
     async with connect_as(secure_nats, "judge") as (judge, violations):
         await judge.publish(holding, b"")
-        await asyncio.wait_for(violations.event.wait(), 5)
-        assert any("held.cases.dispatcher-cases.41" in v for v in violations.seen)
+        await violations.reported("held.cases.dispatcher-cases.41")
 
 
 async def test_the_exporter_cannot_read_batch_requested(secure_nats: SecureNats) -> None:
@@ -296,19 +303,14 @@ async def test_the_exporter_cannot_read_batch_requested(secure_nats: SecureNats)
         await admin.jetstream().publish("batch.requested.b1", b"{}")
     async with connect_as(secure_nats, "exporter") as (nc, violations):
         await nc.subscribe("batch.requested.>")
-        await asyncio.wait_for(violations.event.wait(), 5)
-        assert any("subscription" in v and "batch.requested.>" in v for v in violations.seen)
-        violations.event.clear()
+        await violations.reported("subscription", "batch.requested.>")
         # nor through JetStream: an ephemeral consumer on CASES is refused
         with pytest.raises(nats.errors.TimeoutError):
             await nc.jetstream().subscribe("batch.requested.>", stream="CASES", ordered_consumer=True)
-        await asyncio.wait_for(violations.event.wait(), 5)
-        assert any("$js.api.consumer.create.cases" in v for v in violations.seen)
+        await violations.reported("$js.api.consumer.create.cases")
         # nor by pulling another service's consumer
-        violations.event.clear()
         await nc.publish("$JS.API.CONSUMER.MSG.NEXT.CASES.dispatcher-batches", b'{"batch": 1}')
-        await asyncio.wait_for(violations.event.wait(), 5)
-        assert any("dispatcher-batches" in v for v in violations.seen)
+        await violations.reported("dispatcher-batches")
 
 
 async def test_datasets_go_through_the_object_store_with_the_gateway_and_dispatcher_users(

@@ -3,17 +3,36 @@ to an R3 stream; every acknowledged message is in the stream afterwards, exactly
 
 from __future__ import annotations
 
-import asyncio
 import signal
 
 import pytest
+from nats.js import JetStreamContext
 
 from evalbus.infra.nats import NatsServer
+from evalbus.testing.pipeline import eventually
 from evalbus_contracts.streams import StreamDef
 from evalbus_runtime import Publisher, connect
 from evalbus_runtime.bus import ensure_stream
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+async def ensure_replicated(js: JetStreamContext, stream: StreamDef) -> None:
+    """Define `stream` at R3 once the fresh cluster can: JetStream refuses until it has elected its
+    meta leader, which takes longer on a loaded machine."""
+    refused: list[str] = []
+
+    async def defined() -> bool:
+        try:
+            await ensure_stream(js, stream, replicas=3)
+        except Exception as e:
+            refused[:] = [f"{type(e).__name__}: {e}"]
+            return False
+        return True
+
+    await eventually(
+        defined, timeout_s=60, what=f"stream {stream.name} defined at R3", diagnostics=lambda: "; ".join(refused)
+    )
 
 
 async def test_publisher_rides_out_a_leader_failover_without_loss_or_duplicates(
@@ -23,12 +42,7 @@ async def test_publisher_rides_out_a_leader_failover_without_loss_or_duplicates(
     nc = await connect(url, "failover")
     js = nc.jetstream()
     stream = StreamDef(name="FAILOVER", subjects=("fo.>",), duplicate_window_s=600)
-    for _ in range(100):  # the cluster elects its meta leader first
-        try:
-            await ensure_stream(js, stream, replicas=3)
-            break
-        except Exception:
-            await asyncio.sleep(0.1)
+    await ensure_replicated(js, stream)
     info = await js.stream_info("FAILOVER")
     assert info.cluster is not None
     leader = next(s for s in nats_cluster if s.name == info.cluster.leader)
@@ -66,12 +80,7 @@ async def test_a_service_never_shrinks_a_replicated_stream(nats_cluster: list[Na
     js = nc.jetstream()
     stream = StreamDef(name="REPLICAS", subjects=("replicas.>",), duplicate_window_s=60)
     try:
-        for _ in range(100):  # the cluster elects its meta leader first
-            try:
-                await ensure_stream(js, stream, replicas=3)
-                break
-            except Exception:
-                await asyncio.sleep(0.1)
+        await ensure_replicated(js, stream)
         assert (await js.stream_info("REPLICAS")).config.num_replicas == 3
         changed = StreamDef(name="REPLICAS", subjects=("replicas.>",), duplicate_window_s=120)
         await ensure_stream(js, changed, replicas=1)

@@ -341,10 +341,10 @@ async def test_a_joining_replica_is_counted_by_the_others_at_once_through_the_wa
             async with second.slot():
                 assert set(second.state.replicas) == {"w0", "w1"}
                 # the first replica neither calls nor reads meanwhile: only the watch can tell it
-                await eventually(lambda: set(first.state.replicas) == {"w0", "w1"}, timeout_s=5.0, what="the join seen")
+                await eventually(lambda: set(first.state.replicas) == {"w0", "w1"}, timeout_s=30, what="the join seen")
                 assert first._share() + second._share() == INITIAL_LIMIT
         await second.record("limited", retry_after_s=30.0)
-        await eventually(lambda: first.state.paused_until > 0, timeout_s=5.0, what="the pause seen")
+        await eventually(lambda: first.state.paused_until > 0, timeout_s=30, what="the pause seen")
         assert first.state.limit == INITIAL_LIMIT - 1
     finally:
         for limits in replicas:
