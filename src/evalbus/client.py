@@ -10,7 +10,8 @@
 Every method is synchronous and safe to call from a Jupyter cell: the client runs its own event
 loop on a thread of its own, so it works whether or not the caller's thread has a loop running.
 It finds the gateway as the CLI does (`gateway`/`token` arguments, then `EVALBUS_GATEWAY_URL` and
-`EVALBUS_TOKEN`, then what `evalbus up` recorded in `dir`, default `$EVALBUS_DIR` or `.evalbus`).
+`EVALBUS_TOKEN`, then what `evalbus up` recorded in `dir`: default `$EVALBUS_DIR`, else the nearest
+`.evalbus` of the working directory or a folder above it).
 A suite is a suite file's path (YAML or JSON, dataset files and all, checked as `evalbus run`
 checks it), a mapping with the same content, or a `BatchSpec`; cases too large to ride in the batch
 are uploaded as a dataset first, as the CLI does. API errors raise `ApiRequestError` (status, code,
@@ -20,7 +21,6 @@ message and the offending field); a suite with problems raises `SpecFileError` l
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from collections.abc import Coroutine, Iterator, Mapping
 from pathlib import Path
@@ -28,7 +28,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from evalbus.cli.connection import gateway_target
-from evalbus.cli.options import DEFAULT_DIR
+from evalbus.cli.options import default_state_dir
 from evalbus.cli.suite_file import (
     SpecFileError,
     SuiteFile,
@@ -63,7 +63,7 @@ class Client:
         dir: str | Path | None = None,  # noqa: A002 - the CLI's --dir
         timeout_s: float = 30.0,
     ) -> None:
-        state_dir = Path(dir) if dir is not None else Path(os.environ.get("EVALBUS_DIR", DEFAULT_DIR))
+        state_dir = Path(dir) if dir is not None else default_state_dir()
         target = gateway_target(state_dir, gateway, token)
         self.url = target.url
         """The gateway's base URL."""

@@ -21,7 +21,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         description="Start nats-server (JetStream), PostgreSQL (DATABASE_URL, else embedded), apply "
         "migrations, start the five services, and wait until every component is healthy.",
     )
-    add_dir_option(parser)
+    add_dir_option(parser, search_parents=False)  # a stack of this folder, not a parent's
     parser.add_argument("--no-services", action="store_true", help="start only nats-server and PostgreSQL")
     parser.add_argument(
         "--nats-port", type=int, default=None, help="fixed NATS client port (default: the last one, else a free one)"
