@@ -37,6 +37,7 @@ from evalbus_contracts.specs import harness_problems
 from evalbus_dispatcher import LiveSink, LocalBackend, execute_case
 from evalbus_dispatcher.backends.local import REDACTED
 from evalbus_dispatcher.retry import should_retry
+from evalbus_runtime.secrets import SecretStore
 
 from .conftest import SECRET_VALUE, LiveRecord
 
@@ -429,3 +430,60 @@ async def wait_until(condition: Callable[[], bool], deadline_s: float = 10.0) ->
     while not condition():
         assert asyncio.get_running_loop().time() < end, "condition not met in time"
         await asyncio.sleep(0.02)
+
+
+async def test_a_worker_serves_one_batch_so_the_next_batch_runs_the_edited_agent(
+    backend: LocalBackend, agent_dir: Path, live: LiveSink
+) -> None:
+    """A user fixes their agent and runs the suite again: the new batch gets fresh workers that
+    import the edited file, not the warm ones of the last batch still holding the old code (the
+    same harness spec, argv and environment). Within a batch a worker is reused."""
+    harness = raw_harness(agent_dir)
+    try:
+        first = [await run(request("wb1", f"c{i}", harness, input="ok"), backend, live) for i in range(2)]
+        source = agent_dir / "raw_worker.py"
+        source.write_text(source.read_text().replace('answer=f"{os.getpid()}:', 'answer=f"{os.getpid()}:edited '))
+        second = [await run(request("wb2", f"c{i}", harness, input="ok"), backend, live) for i in range(2)]
+    finally:
+        await backend.close()
+    answers = [e.result.answer or "" for e in (*first, *second)]
+    pids = [a.split(":")[0] for a in answers]
+    assert pids[0] == pids[1], answers  # reused within a batch
+    assert pids[2] == pids[3], answers
+    assert pids[1] != pids[2], answers  # not across batches
+    assert [a.split(":", 1)[1] for a in answers] == ["ok", "ok", "edited ok", "edited ok"]
+    assert backend.workers.spawned == 2
+
+
+async def test_an_idle_worker_is_retired_after_its_idle_time_and_the_oldest_idle_makes_room(
+    sandbox_root: Path, secrets_dir: Path, agent_dir: Path, live: LiveSink
+) -> None:
+    """Workers of ended batches do not stay: every slot full of idle workers, a new batch's case
+    retires the one idle longest; an idle worker exits on its own after `worker_idle_s`."""
+    environ = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(sandbox_root)}
+    backend = LocalBackend(
+        slots=2,
+        root=sandbox_root,
+        secrets=SecretStore(environ, secrets_dir),
+        environ=environ,
+        kill_grace_s=0.5,
+        worker_idle_s=3.0,
+    )
+    harness = raw_harness(agent_dir)
+
+    def pid(e: CaseExecuted) -> int:
+        assert e.result.answer is not None, e.result.failure
+        return int(e.result.answer.split(":")[0])
+
+    try:
+        a = pid(await run(request("wa", "c1", harness, input="ok"), backend, live))
+        b = pid(await run(request("wb", "c1", harness, input="ok"), backend, live))
+        assert sorted(backend.workers.idle_pids()) == sorted([a, b])
+        c = pid(await run(request("wc", "c1", harness, input="ok"), backend, live))
+        assert sorted(backend.workers.idle_pids()) == sorted([b, c])
+        await wait_until(lambda: not alive(a))  # the oldest idle one made room
+        await wait_until(lambda: backend.workers.size == 0, deadline_s=30.0)  # then all go idle-timed
+        await wait_until(lambda: not alive(b) and not alive(c))
+    finally:
+        await backend.close()
+    assert backend.workers.spawned == 3

@@ -34,6 +34,7 @@ from evalbus_dispatcher.artifacts import RunObjects
 from evalbus_dispatcher.backends.base import Mark, SandboxHandle, is_observed
 from evalbus_dispatcher.backends.job_spec import LiveHandoffs, RunnerNats
 from evalbus_dispatcher.backends.local import LocalBackend, sweep_orphans
+from evalbus_dispatcher.backends.worker import WORKER_IDLE_S
 from evalbus_dispatcher.cancellation import Cancellations, cancelled_execution
 from evalbus_dispatcher.capacity import ROOM_INTERVAL_S, ClusterRoom
 from evalbus_dispatcher.control import LiveControls
@@ -97,6 +98,9 @@ class DispatcherSettings(ServiceSettings):
     delay: no compute slot is held while it waits)."""
     workdir_root: str | None = None
     """Where case workdirs are made (default: the system temp folder)."""
+    worker_idle_s: float = WORKER_IDLE_S
+    """Seconds a warm worker (`harness.kind: worker`) waits idle for its batch's next case before it
+    is retired (a worker serves one batch)."""
     replica_id: str | None = None
     """This replica's id in marks, samples and the `dispatchers` bucket (default `<node>-<pid>`)."""
     sample_interval_s: float = SAMPLE_INTERVAL_S
@@ -311,6 +315,7 @@ def build_dispatcher(service: Service, settings: DispatcherSettings) -> None:
         slots=settings.slot_count(),
         root=None if settings.workdir_root is None else Path(settings.workdir_root),
         secrets=secrets,
+        worker_idle_s=settings.worker_idle_s,
     )
     cluster: KubernetesBackend | NomadBackend | DockerBackend | None = None
     handoffs = LiveHandoffs()

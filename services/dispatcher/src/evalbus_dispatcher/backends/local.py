@@ -420,11 +420,14 @@ class LocalBackend:
         drain_s: float = 2.0,
         output_cap_bytes: int = 16 * 1024 * 1024,
         adopt_orphans: bool | None = None,
+        worker_idle_s: float | None = None,
     ) -> None:
         """`adopt_orphans`: kill with each sandbox the daemons its harness forked, which needs
         this process to be the child subreaper of its descendants (`orphans`). True makes it one
         (process-wide); None (the default) adopts when it already is one — the dispatcher's
-        entry point makes itself one, a program embedding the backend is left as it is."""
+        entry point makes itself one, a program embedding the backend is left as it is.
+        `worker_idle_s`: how long a warm worker waits idle before it is retired (None:
+        `worker.WORKER_IDLE_S`)."""
         source = os.environ if environ is None else environ
         if adopt_orphans is None:
             self._adopting = orphans.is_subreaper()
@@ -440,6 +443,7 @@ class LocalBackend:
         self._used = 0
         self._node = platform.node() or None
         self._workers: WorkerPool | None = None
+        self._worker_idle_s = worker_idle_s
         self._owner = _owner_mark(os.getpid())  # read once: /proc costs a few syscalls per case
         self._live: set[LocalSandbox] = set()
         """Sandboxes provisioned and not yet released: their processes are nobody's orphans."""
@@ -459,7 +463,9 @@ class LocalBackend:
         if self._workers is None:
             from evalbus_dispatcher.backends.worker import WorkerPool
 
-            self._workers = WorkerPool(slots=self._slots, root=self._root, grace_s=self._grace_s)
+            self._workers = WorkerPool(
+                slots=self._slots, root=self._root, grace_s=self._grace_s, idle_s=self._worker_idle_s
+            )
         return self._workers
 
     async def close(self) -> None:

@@ -2,8 +2,11 @@
 
 One worker process serves one case at a time over the worker protocol
 (`evalbus_contracts.worker_protocol`, JSON lines on its stdin and stdout); the pool keeps at most
-one worker per compute slot, reuses an idle one whose harness (argv and environment) matches, and
-spawns one otherwise (first retiring an idle worker of another harness when every slot has one).
+one worker per compute slot, reuses an idle one of the same batch whose harness (argv and
+environment) matches, and spawns one otherwise (first retiring an idle worker of another harness
+or batch when every slot has one). A worker serves one batch: the next batch — the user's edited
+agent, typically — imports the code afresh, and no state a harness keeps in memory crosses from one
+batch's results to another's. An idle worker exits after `WORKER_IDLE_S`.
 
 A worker lives in its own process group and its own home folder (`evalbus-worker-*`, swept like a
 case root when its dispatcher dies), is killed with the dispatcher (`PR_SET_PDEATHSIG`), and is
@@ -66,6 +69,10 @@ CASE_VARIABLES: tuple[str, ...] = (
     "EVALBUS_BATCH_ID", "OTEL_RESOURCE_ATTRIBUTES",
 )  # fmt: skip
 """Variables that differ from case to case: sent with each case, not in the worker's environment."""
+
+WORKER_IDLE_S = 60.0
+"""How long a worker waits idle for its batch's next case before it is retired (its agent may hold
+a model in memory: it is not kept for a batch that has ended)."""
 
 PROTOCOL_SNIPPET = 200
 """Characters of an offending line quoted in a `worker_protocol` failure."""
@@ -337,11 +344,23 @@ def _kind(message: object) -> str:
 class WorkerPool:
     """The warm workers of one local backend: at most `slots` processes."""
 
-    def __init__(self, *, slots: int, root: Path | None, grace_s: float, python: str = sys.executable) -> None:
+    def __init__(
+        self,
+        *,
+        slots: int,
+        root: Path | None,
+        grace_s: float,
+        python: str = sys.executable,
+        idle_s: float | None = None,
+    ) -> None:
+        """`idle_s`: how long a worker waits idle before it is retired (None: `WORKER_IDLE_S`)."""
         self._slots = slots
         self._root = root
         self._grace_s = grace_s
         self._python = python
+        self._idle_s = WORKER_IDLE_S if idle_s is None else idle_s
+        self._expiry: dict[_Worker, asyncio.TimerHandle] = {}
+        """The idle workers' retirement timers."""
         self._idle: dict[tuple[object, ...], list[_Worker]] = {}
         self._alive: set[_Worker] = set()
         self._stopping: set[asyncio.Task[None]] = set()
@@ -394,7 +413,7 @@ class WorkerPool:
             return HarnessRun(exit_code=None, stdout="", stderr="", spawn_error="the worker harness has no command")
         case_env = {name: env[name] for name in CASE_VARIABLES if name in env}
         worker_env = {name: value for name, value in env.items() if name not in CASE_VARIABLES} | dict(secret_env)
-        key = (argv, tuple(sorted(worker_env.items())))
+        key = (job.batch_id, argv, tuple(sorted(worker_env.items())))
         started = time.monotonic()
         serving = _Serving(
             run_id=job.run_id or "", on_output=on_output, redact=redact, out=_Capture(cap), err=_Capture(cap)
@@ -545,9 +564,20 @@ class WorkerPool:
         workers = self._idle.get(key)
         while workers:
             worker = workers.pop()
+            if not workers:
+                del self._idle[key]
+            timer = self._expiry.pop(worker, None)
+            if timer is not None:
+                timer.cancel()
             if not worker.dead:
                 return worker
         return None
+
+    def _expire(self, worker: _Worker) -> None:
+        """An idle worker's time is up: retired (a worker serving again meanwhile had its timer cancelled)."""
+        self._expiry.pop(worker, None)
+        log.debug("worker %d idle for %gs: retired", worker.pid, self._idle_s)
+        self._retire(worker)
 
     async def _spawn(
         self,
@@ -573,11 +603,9 @@ class WorkerPool:
         return worker
 
     def _evict_one(self) -> None:
-        for workers in self._idle.values():
-            while workers:
-                worker = workers.pop()
-                self._retire(worker)
-                return
+        """Retire the idle worker that has waited longest (of a batch that has likely ended)."""
+        if self._expiry:
+            self._retire(next(iter(self._expiry)))  # timers are added as workers go idle: oldest first
 
     def _release(self, worker: _Worker) -> None:
         """Back to the idle workers of its harness, or retired when it served its share or died."""
@@ -585,14 +613,20 @@ class WorkerPool:
             self._retire(worker)
             return
         self._idle.setdefault(worker.key, []).append(worker)
+        self._expiry[worker] = asyncio.get_running_loop().call_later(self._idle_s, self._expire, worker)
 
     def _retire(self, worker: _Worker, grace_s: float | None = None) -> None:
         if worker not in self._alive:
             return
         self._alive.discard(worker)
+        timer = self._expiry.pop(worker, None)
+        if timer is not None:
+            timer.cancel()
         idle = self._idle.get(worker.key)
         if idle and worker in idle:
             idle.remove(worker)
+            if not idle:
+                del self._idle[worker.key]
         task = asyncio.create_task(worker.stop(self._grace_s if grace_s is None else grace_s))
         self._stopping.add(task)
         task.add_done_callback(self._stopping.discard)
