@@ -94,22 +94,34 @@ def sandbox_root(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def backend(sandbox_root: Path, secrets_dir: Path) -> LocalBackend:
-    """A local backend whose dispatcher environment holds a secret and service settings."""
+def make_backend(sandbox_root: Path, secrets_dir: Path) -> Callable[..., LocalBackend]:
+    """Local backends whose dispatcher environment holds a secret and service settings (keyword
+    arguments override the test defaults)."""
     environ = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": str(sandbox_root),
         "EVALBUS_SECRET_API_KEY": SECRET_VALUE,
         "NATS_URL": "nats://127.0.0.1:1",
     }
-    return LocalBackend(
-        slots=2,
-        root=sandbox_root,
-        secrets=SecretStore(environ, secrets_dir),
-        environ=environ,
-        kill_grace_s=0.5,
-        drain_s=1.0,
-    )
+
+    def make(**overrides: Any) -> LocalBackend:
+        settings: dict[str, Any] = {
+            "slots": 2,
+            "root": sandbox_root,
+            "secrets": SecretStore(environ, secrets_dir),
+            "environ": environ,
+            "kill_grace_s": 0.5,
+            "drain_s": 1.0,
+        }
+        return LocalBackend(**(settings | overrides))
+
+    return make
+
+
+@pytest.fixture
+def backend(make_backend: Callable[..., LocalBackend]) -> LocalBackend:
+    """A local backend whose dispatcher environment holds a secret and service settings."""
+    return make_backend()
 
 
 @pytest.fixture

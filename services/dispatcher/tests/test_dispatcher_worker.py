@@ -37,7 +37,6 @@ from evalbus_contracts.specs import harness_problems
 from evalbus_dispatcher import LiveSink, LocalBackend, execute_case
 from evalbus_dispatcher.backends.local import REDACTED
 from evalbus_dispatcher.retry import should_retry
-from evalbus_runtime.secrets import SecretStore
 
 from .conftest import SECRET_VALUE, LiveRecord
 
@@ -456,19 +455,11 @@ async def test_a_worker_serves_one_batch_so_the_next_batch_runs_the_edited_agent
 
 
 async def test_an_idle_worker_is_retired_after_its_idle_time_and_the_oldest_idle_makes_room(
-    sandbox_root: Path, secrets_dir: Path, agent_dir: Path, live: LiveSink
+    make_backend: Callable[..., LocalBackend], agent_dir: Path, live: LiveSink
 ) -> None:
     """Workers of ended batches do not stay: every slot full of idle workers, a new batch's case
     retires the one idle longest; an idle worker exits on its own after `worker_idle_s`."""
-    environ = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(sandbox_root)}
-    backend = LocalBackend(
-        slots=2,
-        root=sandbox_root,
-        secrets=SecretStore(environ, secrets_dir),
-        environ=environ,
-        kill_grace_s=0.5,
-        worker_idle_s=3.0,
-    )
+    backend = make_backend(worker_idle_s=3.0)
     harness = raw_harness(agent_dir)
 
     def pid(e: CaseExecuted) -> int:
