@@ -14,8 +14,12 @@ space back and the next batch succeeds; its stall from the let-go to that batch 
 consumer idle; it needs root to mount the tmpfs); the online collector's crash tests
 (`tests/test_online_pipeline.py`, spans and sampling stages); and the poison flood
 (`bench/poison.py`: 1,000 malformed messages on every consumed subject while a batch runs, every
-one dead-lettered by every consumer of its subject, the makespan within 1.10 x a clean run's),
-then prints the table. The stall is
+one dead-lettered by every consumer of its subject, the makespan within 1.10 x a clean run's);
+and (`MORE_FAULTS`) a 3-node cluster whose CASES leader and a replica of every service are
+SIGKILLed mid-batch (`tests/test_scaleout_cluster.py`, 1,000 cases unless `SCALEOUT_CASES`), a
+model judge's provider answering 429, 500 and hanging, then hanging past the judge's retries
+(`tests/test_pipeline_provider_faults.py`), a sink's endpoint down, a harness that forks a daemon,
+and replicas whose clocks are 5 minutes apart — then prints the table. The stall is
 the time from the kill until every consumer is idle again (the held message redelivered after its
 consumer's `ack_wait` — 4 s for the case stages, 10 s for the recorder — and done); for the dispatcher
 killed mid-message the table also gives the time until its orphaned cases' agents ran again, on the
@@ -50,6 +54,24 @@ NATS_RESTART = "tests/test_pipeline_nats_restart.py"
 DATABASE_OUTAGE = "tests/test_pipeline_outages.py::test_a_database_outage_mid_batch_loses_and_doubles_nothing"
 DISK_FULL = "tests/test_pipeline_disk_full.py"
 SURVIVOR = "tests/test_pipeline_stalled_replica.py::test_a_killed_dispatchers_case_runs_again_on_the_surviving_replica"
+MORE_FAULTS: tuple[tuple[str, str], ...] = (
+    (
+        "tests/test_scaleout_cluster.py",
+        "3-node cluster: the CASES leader SIGKILLed, a replica of every service SIGKILLed",
+    ),
+    ("tests/test_pipeline_provider_faults.py", "judge provider answering 429, 500 and hanging"),
+    (
+        "tests/test_pipeline_outages.py::test_a_sink_endpoint_that_is_down_fails_visibly_and_loses_nothing",
+        "a sink's endpoint down",
+    ),
+    ("tests/test_pipeline_daemon_harness.py", "a harness that forks a daemon and exits"),
+    (
+        "tests/test_pipeline_clock_skew.py::"
+        "test_a_batch_through_replicas_with_skewed_clocks_is_exactly_once_and_scored_as_usual",
+        "clocks skewed ±5 min between replicas",
+    ),
+)
+"""More fault tests, each writing its rows (`evalbus.testing.reliability`): target → what it injects."""
 
 
 def run_pytest(target: str, env: dict[str, str]) -> tuple[int, float, str]:
@@ -140,6 +162,16 @@ def main() -> int:
     rows += survivor_rows or [
         {"test": "SIGKILL dispatcher, a surviving replica", "error": survivor_tail or f"exit {survivor_code}"}
     ]
+    more_s: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n, (target, what) in enumerate(MORE_FAULTS):
+            path = Path(tmp) / f"more-{n}.json"
+            code, seconds, tail = run_pytest(target, {**os.environ, "EVALBUS_RELIABILITY_REPORT": str(path)})
+            more_s[target] = seconds
+            found: list[dict[str, Any]] = json.loads(path.read_text()) if path.exists() else []
+            if code != 0:  # a test that failed after writing its row still fails the scenario
+                found = [{**r, "passed": False} for r in found] or [{"test": what, "error": tail or f"exit {code}"}]
+            rows += found or [{"test": what, "error": f"no row written (exit {code})"}]
     online_code, online_s, online_tail = run_pytest(ONLINE_CRASH, dict(os.environ))
     rows.append(
         {
@@ -181,6 +213,7 @@ def main() -> int:
             "disk_full": disk_s,
             "surviving_replica": survivor_s,
             "online_crash": online_s,
+            **more_s,
         },
         "goals": goals,
         "ok": all(g.passed for g in goals),

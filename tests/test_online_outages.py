@@ -39,7 +39,7 @@ import msgspec
 import pytest
 
 from evalbus.online import Outcome, Recorder, RecorderStats
-from evalbus.testing.chat_server import ChatCompletionsServer, Reply, error_body
+from evalbus.testing.chat_server import ChatCompletionsServer, Reply, error_body, judge_env, serving
 from evalbus.testing.pipeline import Pipeline, eventually, open_pipeline
 from evalbus_contracts import Measured, Score, sampled_by_trace_id
 
@@ -100,23 +100,15 @@ class Ingest:
 
 @pytest.fixture(scope="module")
 async def provider() -> AsyncIterator[ChatCompletionsServer]:
-    server = ChatCompletionsServer(api_key=API_KEY)
-    await server.start()
-    yield server
-    await server.stop()
+    async with serving(api_key=API_KEY) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 async def pipeline(
     pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory, provider: ChatCompletionsServer
 ) -> AsyncIterator[Pipeline]:
-    judge = {
-        "JUDGE_MODEL_BASE_URL": f"{provider.root}/v1",
-        "JUDGE_MODEL_API_KEY_SECRET": "provider-key",
-        "EVALBUS_SECRET_PROVIDER_KEY": API_KEY,
-        "JUDGE_CONCURRENCY": "64",
-        "JUDGE_GLOBAL_LIMIT": "64",
-    }
+    judge = {**judge_env(provider), "JUDGE_CONCURRENCY": "64", "JUDGE_GLOBAL_LIMIT": "64"}
     collector = {"COLLECTOR_SETTLE_S": "0.2"}
     async with open_pipeline(
         pg_admin_url, tmp_path_factory.mktemp("outages"), service_env={"judge": judge, "collector": collector}

@@ -57,8 +57,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
 import re
 import time
 from collections import Counter
@@ -85,6 +83,7 @@ from evalbus.testing.pipeline import (
     wait_path,
     without_metrics,
 )
+from evalbus.testing.reliability import report, row
 from evalbus_api.views import BatchView, RunView
 from evalbus_contracts import (
     AnswerMatchGrader,
@@ -583,16 +582,10 @@ async def crash_runs(pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory
             *(run_scenario(t, pg_admin_url, root / t, otlp) for t in TARGETS), return_exceptions=True
         )
         outcomes = dict(zip(TARGETS, results, strict=True))
-        report = os.environ.get(REPORT_ENV)
-        if report:
-            await asyncio.to_thread(Path(report).write_text, json.dumps(reliability_rows(outcomes), indent=2))
+        report(*reliability_rows(outcomes))
         yield outcomes
     finally:
         await otlp.stop()
-
-
-REPORT_ENV = "EVALBUS_RELIABILITY_REPORT"
-"""When set, the module writes its scenarios' figures there as JSON (`bench/reliability.py`)."""
 
 
 def lost_and_duplicated(facts: BatchFacts) -> tuple[int, int]:
@@ -632,15 +625,15 @@ def reliability_rows(outcomes: dict[str, Any]) -> list[dict[str, Any]]:
                 continue
             lost, duplicated = lost_and_duplicated(facts)
             rows.append(
-                {
-                    "test": f"SIGKILL {target}: {window}",
-                    "load": f"{len(CASE_IDS)} cases, 4 stages",
-                    "faults": 1,
-                    "lost": lost,
-                    "duplicated": duplicated,
-                    "max_stall_s": None if stall is None else round(stall, 2),
-                    "passed": lost == 0 and duplicated == 0 and facts.view.status == "succeeded",
-                }
+                row(
+                    f"SIGKILL {target}: {window}",
+                    load=f"{len(CASE_IDS)} cases, 4 stages",
+                    faults=1,
+                    lost=lost,
+                    duplicated=duplicated,
+                    stall_s=stall,
+                    passed=lost == 0 and duplicated == 0 and facts.view.status == "succeeded",
+                )
             )
             if facts is run.crashed and "resumed_s" in run.evidence:
                 # kill → the orphaned cases' agents started again (the dispatcher's scenario)

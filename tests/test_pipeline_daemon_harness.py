@@ -5,13 +5,17 @@ point makes it the daemon's subreaper, so it finds and kills it."""
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from evalbus.testing.pipeline import Pipeline, eventually, open_pipeline
-from evalbus_contracts import AnswerMatchGrader, BatchSpec, CaseSpec, CommandHarness, SuiteSpec
+from evalbus.testing.reliability import lost_and_duplicated, report, row
+from evalbus_contracts import AnswerMatchGrader, BatchSpec, CaseSpec, CommandHarness, SuiteSpec, batch_run_id
+
+STAGES = ("case.requested", "case.executed", "case.judged", "case.exported")
 
 pytestmark = pytest.mark.e2e
 
@@ -66,3 +70,18 @@ async def test_a_daemon_forked_by_a_harness_does_not_outlive_its_run(pipeline: P
     assert view.summary.verdicts.passed == 1
     pid = int(pidfile.read_text())
     await eventually(lambda: not running(pid), timeout_s=10, what=f"the daemon {pid} to be killed")
+    run = batch_run_id(view.batch_id, "c1")
+    want: Counter[tuple[str | None, str]] = Counter({(run, kind): 1 for kind in STAGES})
+    store = Counter({k: n for k, n in (await pipeline.store_counts(view.batch_id)).items() if k[1] in STAGES})
+    lost, duplicated = lost_and_duplicated(want, store)
+    report(
+        row(
+            "a harness that forks a daemon and exits: the daemon killed with its sandbox",
+            load="1 case",
+            faults=1,
+            lost=lost,
+            duplicated=duplicated,
+            passed=store == want,
+        )
+    )
+    assert store == want

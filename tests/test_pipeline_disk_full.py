@@ -22,7 +22,6 @@ store, nothing refused by the recorder, nothing dead-lettered. `retries: 0`, so 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import subprocess
@@ -34,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from evalbus.testing.pipeline import Pipeline, agent_harness, eventually, open_pipeline, task, wait_path
+from evalbus.testing.reliability import report, row
 from evalbus_api.views import RunView
 from evalbus_contracts import AnswerMatchGrader, BatchPolicy, BatchSpec, CaseSpec, SuiteSpec, batch_run_id
 
@@ -210,30 +210,14 @@ async def test_a_full_workdir_disk_fails_its_cases_visibly_and_loses_nothing(
     assert dispatcher.poll() is None, "the dispatcher kept running"
     assert p.stack.procs["dispatcher"].process is dispatcher, "the same dispatcher process throughout"
     assert await p.dead_letters("dispatcher") == []
-    report_row(
-        cases=2 + len(starved_ids) + len(after_ids),
-        faults=2 + len(starved_ids),
-        lost=lost,
-        duplicated=duplicated,
-        stall_s=stall_s,
-        passed=True,
+    report(  # bench/reliability.py's row (stall: the hog lets go → the next batch done, every consumer idle)
+        row(
+            f"case workdirs' disk full ({DISK_BYTES // (1024 * 1024)} MiB tmpfs): cases failed disk_full",
+            load=f"{2 + len(starved_ids) + len(after_ids)} cases in 3 batches",
+            faults=2 + len(starved_ids),
+            lost=lost,
+            duplicated=duplicated,
+            stall_s=stall_s,
+            passed=True,
+        )
     )
-
-
-def report_row(*, cases: int, faults: int, lost: int, duplicated: int, stall_s: float, passed: bool) -> None:
-    """The scenario's row for `bench/reliability.py` (stall: the hog lets go → the next batch
-    done and every consumer idle)."""
-    target = os.environ.get("EVALBUS_RELIABILITY_REPORT")
-    if not target:
-        return
-    row = {
-        "test": f"case workdirs' disk full ({DISK_BYTES // (1024 * 1024)} MiB tmpfs): cases failed disk_full",
-        "load": f"{cases} cases in 3 batches",
-        "faults": faults,
-        "lost": lost,
-        "duplicated": duplicated,
-        "max_stall_s": round(stall_s, 2),
-        "passed": passed,
-    }
-    with open(target, "w") as f:
-        json.dump([row], f)

@@ -7,8 +7,6 @@ every trajectory sealed — the same result as an undisturbed batch of the same 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -18,12 +16,10 @@ import pytest
 
 from evalbus.infra.nats import start_nats
 from evalbus.testing.pipeline import Pipeline, agent_harness, eventually, open_pipeline, task
+from evalbus.testing.reliability import lost_and_duplicated, report, row
 from evalbus_contracts import AnswerMatchGrader, BatchSpec, CaseSpec, ContainsJudge, SuiteSpec, batch_run_id
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-REPORT_ENV = "EVALBUS_RELIABILITY_REPORT"
-"""When set, the test writes its figures there as JSON rows (`bench/reliability.py`)."""
 
 CASES = tuple(f"c{i:02d}" for i in range(1, 9))
 STAGES = ("case.requested", "case.executed", "case.judged", "case.exported")
@@ -107,11 +103,17 @@ async def test_a_batch_survives_nats_server_being_killed_and_restarted_mid_batch
             if k in {*STAGES, "batch.requested", "batch.finalized"}
         }
     )
-    report_row(
-        lost=sum((want - store).values()),
-        duplicated=sum((store - want).values()) + sum((stream - want).values()),
-        stall_s=stall_s,
-        passed=view.status == "succeeded" and store == want and stream == want,
+    lost, duplicated = lost_and_duplicated(want, store, stream)
+    report(  # bench/reliability.py's row (stall: the kill → every consumer idle)
+        row(
+            "SIGKILL nats-server (single node), restarted on the same data",
+            load=f"{len(CASES)} cases, 2 running",
+            faults=1,
+            lost=lost,
+            duplicated=duplicated,
+            stall_s=stall_s,
+            passed=view.status == "succeeded" and store == want and stream == want,
+        )
     )
     assert view.status == "succeeded", view
     assert stream == want, f"CASES per (run, type): {stream - want} extra, {want - stream} missing"
@@ -127,21 +129,3 @@ async def test_a_batch_survives_nats_server_being_killed_and_restarted_mid_batch
         m.metric: m.mean for m in calm.summary.metrics if m.metric in {"answer_match", "judge:names-itself"}
     }
     assert passed == {"answer_match": 1.0, "judge:names-itself": 1.0}
-
-
-def report_row(*, lost: int, duplicated: int, stall_s: float, passed: bool) -> None:
-    """The scenario's row for `bench/reliability.py` (stall: the kill → every consumer idle)."""
-    target = os.environ.get(REPORT_ENV)
-    if not target:
-        return
-    row = {
-        "test": "SIGKILL nats-server (single node), restarted on the same data",
-        "load": f"{len(CASES)} cases, 2 running",
-        "faults": 1,
-        "lost": lost,
-        "duplicated": duplicated,
-        "max_stall_s": round(stall_s, 2),
-        "passed": passed,
-    }
-    with open(target, "w") as f:
-        json.dump([row], f)

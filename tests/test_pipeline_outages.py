@@ -14,8 +14,6 @@ export summary, while the batch's other sink gets every case."""
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -27,6 +25,7 @@ from tests.test_online_outages import database_refusing
 
 from evalbus.infra.ports import free_port
 from evalbus.testing.pipeline import Pipeline, agent_harness, eventually, open_pipeline, task
+from evalbus.testing.reliability import lost_and_duplicated, report, row
 from evalbus_contracts import (
     AnswerMatchGrader,
     BatchSpec,
@@ -107,11 +106,17 @@ async def test_a_database_outage_mid_batch_loses_and_doubles_nothing(pipeline: P
     kinds = set(STAGES)
     store = Counter({k: n for k, n in (await p.store_counts(batch)).items() if k[1] in kinds})
     stream = Counter({k: n for k, n in (await p.stream_counts(batch)).items() if k[1] in kinds})
-    report_row(
-        lost=sum((want - store).values()),
-        duplicated=sum((store - want).values()) + sum((stream - want).values()),
-        stall_s=caught_up_s,
-        passed=view.status == "succeeded" and store == want and stream == want,
+    lost, duplicated = lost_and_duplicated(want, store, stream)
+    report(  # bench/reliability.py's row (stall: database back → every consumer idle)
+        row(
+            f"PostgreSQL refusing connections {OUTAGE_S:g} s mid-batch",
+            load=f"{N_CASES} cases",
+            faults=1,
+            lost=lost,
+            duplicated=duplicated,
+            stall_s=caught_up_s,
+            passed=view.status == "succeeded" and store == want and stream == want,
+        )
     )
     assert view.status == "succeeded", view
     assert store == want, f"event store per (run, type): {store - want} extra, {want - store} missing"
@@ -120,24 +125,6 @@ async def test_a_database_outage_mid_batch_loses_and_doubles_nothing(pipeline: P
     verified = await p.verify(batch)
     assert verified.ok, verified
     assert verified.ok_count == N_CASES
-
-
-def report_row(*, lost: int, duplicated: int, stall_s: float, passed: bool) -> None:
-    """The scenario's row for `bench/reliability.py` (stall: database back → every consumer idle)."""
-    target = os.environ.get("EVALBUS_RELIABILITY_REPORT")
-    if not target:
-        return
-    row = {
-        "test": f"PostgreSQL refusing connections {OUTAGE_S:g} s mid-batch",
-        "load": f"{N_CASES} cases",
-        "faults": 1,
-        "lost": lost,
-        "duplicated": duplicated,
-        "max_stall_s": round(stall_s, 2),
-        "passed": passed,
-    }
-    with open(target, "w") as f:
-        json.dump([row], f)
 
 
 async def test_a_sink_endpoint_that_is_down_fails_visibly_and_loses_nothing(pipeline: Pipeline) -> None:
@@ -161,5 +148,18 @@ async def test_a_sink_endpoint_that_is_down_fails_visibly_and_loses_nothing(pipe
         assert sorted(o.status for o in by_sink.values()) == ["failed", "ok"], by_sink
         failed = next(o for o in by_sink.values() if o.status == "failed")
         assert failed.error, failed  # the reason a user reads
-    counts = Counter(k for k in (await p.store_counts(batch)).elements() if k[1] == "case.exported")
-    assert sorted(counts.values()) == [1] * 6
+    runs_ids = {batch_run_id(batch, c.id) for c in small.suite.cases}
+    want: Counter[tuple[str | None, str]] = Counter({(r, s): 1 for r in runs_ids for s in STAGES})
+    store = Counter({k: n for k, n in (await p.store_counts(batch)).items() if k[1] in set(STAGES)})
+    lost, duplicated = lost_and_duplicated(want, store)
+    report(
+        row(
+            "a sink's endpoint down for a whole batch (the other sink up): every export failed visibly",
+            load="6 cases, 2 sinks",
+            faults=6,
+            lost=lost,
+            duplicated=duplicated,
+            passed=store == want,
+        )
+    )
+    assert store == want, f"event store per (run, type): {store - want} extra, {want - store} missing"

@@ -17,8 +17,6 @@ set it writes the time from the kill to the new agent's start as a row for `benc
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import signal
 import time
@@ -28,13 +26,12 @@ import pytest
 
 from evalbus.testing.judges import waiting_marker
 from evalbus.testing.pipeline import agent_harness, eventually, open_pipeline, pid_alive, task
+from evalbus.testing.reliability import report, row
 from evalbus_contracts import BatchSpec, CaseSpec, ExactJudge, RegisteredJudge, SuiteSpec, batch_run_id
 
 pytestmark = [pytest.mark.e2e]
 
 CASES = ("c01", "c02", "c03")
-REPORT_ENV = "EVALBUS_RELIABILITY_REPORT"
-"""When set, the surviving-replica test writes its figures there as JSON rows (`bench/reliability.py`)."""
 
 
 async def test_a_frozen_judge_replica_keeps_its_case_and_it_is_judged_once(pg_admin_url: str, tmp_path: Path) -> None:
@@ -129,19 +126,17 @@ async def test_a_killed_dispatchers_case_runs_again_on_the_surviving_replica(pg_
         stream = await p.stream_counts(batch_id)
         store = await p.store_counts(batch_id)
         passed = view.status == "succeeded" and {k: stream[k] for k in want} == want
-        report = os.environ.get(REPORT_ENV)
-        if report:
-            row = {
-                "test": "SIGKILL dispatcher mid-case, a second replica up: the survivor runs it again",
-                "load": "1 case, 2 dispatchers",
-                "faults": 1,
-                "lost": sum(max(0, 1 - store[k]) for k in want),
-                "duplicated": sum(max(0, store[k] - 1) + max(0, stream[k] - 1) for k in want),
-                "max_stall_s": None,
-                "resumed_s": round(resumed_s, 2),
-                "passed": passed,
-            }
-            await asyncio.to_thread(Path(report).write_text, json.dumps([row]))
+        report(  # bench/reliability.py's row
+            row(
+                "SIGKILL dispatcher mid-case, a second replica up: the survivor runs it again",
+                load="1 case, 2 dispatchers",
+                faults=1,
+                lost=sum(max(0, 1 - store[k]) for k in want),
+                duplicated=sum(max(0, store[k] - 1) + max(0, stream[k] - 1) for k in want),
+                resumed_s=resumed_s,
+                passed=passed,
+            )
+        )
         assert view.status == "succeeded"
         assert {k: stream[k] for k in want} == want
         assert {k: store[k] for k in want} == want

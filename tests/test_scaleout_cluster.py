@@ -26,6 +26,7 @@ from evalbus.testing.pipeline import (
     open_pipeline,
     without_metrics,
 )
+from evalbus.testing.reliability import lost_and_duplicated, report, row
 from evalbus.testing.stack import SERVICES
 from evalbus_contracts import (
     AnswerMatchGrader,
@@ -106,7 +107,20 @@ async def test_a_batch_rides_out_a_leader_kill_replica_kills_and_a_scale_up(pipe
     assert view.status == "succeeded", view
 
     runs = {batch_run_id(batch, c.id) for c in suite("storm").suite.cases}
-    problems = await p.once_per_stage_problems(batch, once_each(runs, stages=STAGES))
+    want = once_each(runs, stages=STAGES)
+    lost, duplicated = lost_and_duplicated(want, await p.store_counts(batch), await p.stream_counts(batch))
+    report(
+        row(
+            "3-node cluster: the CASES leader SIGKILLed (not restarted), a replica of every service "
+            "SIGKILLed, two replicas added",
+            load=f"{N_CASES} cases, 3 replicas of each service",
+            faults=1 + len(SERVICES),
+            lost=lost,
+            duplicated=duplicated,
+            passed=view.status == "succeeded" and lost == 0 and duplicated == 0,
+        )
+    )
+    problems = await p.once_per_stage_problems(batch, want)
     assert problems == [], "\n".join([*problems, await cluster_state(p)])
     assert await p.rejections(batch) == []
     verified = await p.verify(batch)

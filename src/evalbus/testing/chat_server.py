@@ -22,6 +22,8 @@ import math
 import socket
 import time
 from collections import Counter, deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -278,3 +280,23 @@ class ChatCompletionsServer:
         if reply.raw is not None:
             return web.Response(status=reply.status, body=reply.raw, headers=reply.headers)
         return web.json_response(reply.body, status=reply.status, headers=reply.headers)
+
+
+@asynccontextmanager
+async def serving(*, api_key: str | None = None) -> AsyncIterator[ChatCompletionsServer]:
+    """A started server (stopped on exit)."""
+    server = ChatCompletionsServer(api_key=api_key)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+def judge_env(server: ChatCompletionsServer, *, secret: str = "provider-key") -> dict[str, str]:  # noqa: S107 - a name
+    """The judge service's settings that make `server` its default model endpoint, its API key in
+    the secret named `secret`."""
+    env = {"JUDGE_MODEL_BASE_URL": f"{server.root}/v1", "JUDGE_MODEL_API_KEY_SECRET": secret}
+    if server.api_key is not None:
+        env["EVALBUS_SECRET_" + secret.upper().replace("-", "_")] = server.api_key
+    return env
