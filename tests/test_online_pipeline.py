@@ -34,6 +34,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from evalbus.testing.chat_server import ChatCompletionsServer
 from evalbus.testing.pipeline import Pipeline, eventually, open_pipeline, read_stream
+from evalbus.testing.reliability import lost_and_duplicated, report, row
 from evalbus_contracts import (
     CaseObserved,
     CasePlan,
@@ -332,6 +333,7 @@ async def test_collector_killed_mid_stream_loses_and_doubles_nothing(pipeline: P
     traces = [await asyncio.to_thread(serve_request, prod, f"q{i}", f"Thank you {i}") for i in range(8)]
     prod.shutdown()
     assert await p.wait_exit("collector", timeout_s=60) == -9
+    killed_at = time.monotonic()
     await p.start("collector", COLLECTOR_ACK_WAIT_S="5")
 
     async def all_judged() -> bool:
@@ -353,7 +355,21 @@ async def test_collector_killed_mid_stream_loses_and_doubles_nothing(pipeline: P
         what="every OBSERVATIONS message acknowledged",
         diagnostics=p.diagnostics,
     )
+    stall_s = time.monotonic() - killed_at
     counts = await stream_counts(p, (f"case.observed.{encode_token(suite_id)}.>", f"case.judged.online-{suite_id}.>"))
+    want = Counter({(kind, t): 1 for t in traces for kind in ("case.observed", "case.judged")})
+    lost, duplicated = lost_and_duplicated(want, counts)
+    report(  # bench/reliability.py's row (stall: the kill → every consumer idle, the restart included)
+        row(
+            f"SIGKILL collector (online) after storing its output, before its ack ({fault.split(':')[1]})",
+            load=f"{len(traces)} traces",
+            faults=1,
+            lost=lost,
+            duplicated=duplicated,
+            stall_s=stall_s,
+            passed=lost == 0 and duplicated == 0,
+        )
+    )
     observed = Counter({k: n for (kind, k), n in counts.items() if kind == "case.observed"})
     assert observed == Counter(dict.fromkeys(traces, 1))
     judged_runs = Counter({k: n for (kind, k), n in counts.items() if kind == "case.judged"})
