@@ -112,8 +112,9 @@ async def test_exec_times_out_with_124(live: Live, nc: NatsClient) -> None:
 
 async def test_a_command_running_when_the_sandbox_is_released_ends_with_it(live: Live, nc: NatsClient) -> None:
     ready = live.sandbox.workdir / "ready"
-    pending = asyncio.create_task(exec_in(nc, live.run_id, f"touch {ready}; sleep 30"))
-    await eventually(ready.exists, timeout_s=10, what="the command to start")
+    # a timeout far beyond the release: only the release may end it (a 124 is the timeout's doing)
+    pending = asyncio.create_task(exec_in(nc, live.run_id, f"touch {ready}; sleep 300", timeout_s=120))
+    await eventually(ready.exists, timeout_s=30, what="the command to start")
     await live.release()
     done = await pending
     assert done.found
