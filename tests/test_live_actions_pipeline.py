@@ -127,7 +127,9 @@ async def test_exec_in_a_live_sandbox(pipeline: Pipeline, replica: RunningGatewa
 
     # A command still running when the run ends and its sandbox is released ends with it.
     started = tmp_path / "sleeping"
-    sleeper = asyncio.create_task(call(other, "POST", path, ALICE, {"command": f"touch {started}; sleep 60"}))
+    # its timeout far beyond the release, so that only the release can end it (124 would be the timeout)
+    cut_by_release = {"command": f"touch {started}; sleep 300", "timeout_s": 120}
+    sleeper = asyncio.create_task(call(other, "POST", path, ALICE, cut_by_release))
     await wait_path(started)
     go.touch()
     status, body = await sleeper
