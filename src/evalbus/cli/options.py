@@ -40,8 +40,8 @@ def default_state_dir(*, search_parents: bool = True) -> Path:
 
 def add_dir_option(parser: argparse.ArgumentParser, *, search_parents: bool = True) -> None:
     """`--dir`: the state folder (`EVALBUS_DIR`; else the `.evalbus` of the working directory or,
-    with `search_parents`, of the nearest folder above it that holds a running stack's endpoints;
-    `evalbus up` starts one here instead)."""
+    with `search_parents`, of the nearest folder above it that holds a stack's endpoints, running
+    or stopped; `evalbus up` starts one here instead)."""
     where = "$EVALBUS_DIR, else the nearest .evalbus here or above" if search_parents else "$EVALBUS_DIR or .evalbus"
     parser.add_argument(
         "--dir",
