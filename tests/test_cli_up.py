@@ -207,6 +207,9 @@ def test_up_status_down_with_the_real_services(stack: Stack) -> None:
     assert code == 0, doc
     assert doc["healthy"] is True
     assert set(doc["components"]) == {"nats", "postgres", *SERVICES}
+    table = stack.run("status")
+    assert table.returncode == 0, explain(table)
+    assert table.stdout.splitlines()[-1] == f"stack   {stack.dir.resolve()}"  # which stack answered
     for name, component in doc["components"].items():
         assert component["healthy"] is True, (name, component)
     for name in SERVICES:

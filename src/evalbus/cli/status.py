@@ -66,4 +66,5 @@ def run(args: argparse.Namespace) -> int:
         print(render_table(health))
         if endpoints is not None and endpoints.gateway:
             print(f"\ngateway {endpoints.gateway}   token {endpoints.token_file}")
+        print(f"stack   {args.dir.resolve()}")  # the folder found, when it is one above this one
     return 0 if health is not None and health.healthy else 1
