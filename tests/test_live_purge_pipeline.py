@@ -72,7 +72,7 @@ async def test_a_settled_runs_output_leaves_the_stream_and_its_log_comes_from_th
     )
     spec = BatchSpec(
         suite=SuiteSpec(id="live-purge", cases=cases),
-        harness=CommandHarness(id="live-agent", command=(sys.executable, str(AGENT)), timeout_s=60),
+        harness=CommandHarness(id="live-agent", command=(sys.executable, str(AGENT)), timeout_s=300),
     )
     batch_id = await pipeline.submit(spec)
     quick, slow_run = f"evb-{batch_id}-quick", f"evb-{batch_id}-slow"

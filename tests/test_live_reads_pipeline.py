@@ -84,7 +84,7 @@ async def test_a_running_run_is_watched_live_across_replicas_without_loss_or_rep
             id="live-reads",
             cases=(CaseSpec(id="c1", input=msgspec.json.encode({"phases": phases, "answer": "42"}).decode()),),
         ),
-        harness=CommandHarness(id="live-agent", command=(sys.executable, str(AGENT)), timeout_s=60),
+        harness=CommandHarness(id="live-agent", command=(sys.executable, str(AGENT)), timeout_s=300),
     )
     batch_id = await pipeline.submit(spec)
     run_id = f"evb-{batch_id}-c1"

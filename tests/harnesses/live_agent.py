@@ -3,7 +3,8 @@
 The input is a JSON object: `phases`, a list of `{"stdout": [...], "stderr": [...], "events": n,
 "ready": path, "go": path}`, run in order. Each phase writes its stdout lines (flushing each),
 its stderr lines, `n` tool-call trace events (`EVALBUS_EVENT` lines), then creates `ready` and
-waits until `go` exists (`go_timeout_s` of the task, default 30 s, else exit 3) — so a test reads
+waits until `go` exists (`go_timeout_s` of the task, default 300 s — longer than any test's wait on
+a loaded machine, so only the test ends a phase — else exit 3) — so a test reads
 the live views of a run that is still running, between phases. After the last phase: `answer` as an `EVALBUS_RESULT` line, then
 exit with `exit_code` (default 0). `cwd_file`, when given, gets the agent's working directory
 first (a test checks the sandbox is gone afterwards).
@@ -39,7 +40,7 @@ def main() -> int:
             partial.write_text(str(os.getpid()))
             partial.replace(phase["ready"])  # atomically: a test waiting for it never reads it empty
         if "go" in phase:
-            deadline = time.monotonic() + float(task.get("go_timeout_s", 30))
+            deadline = time.monotonic() + float(task.get("go_timeout_s", 300))
             while not Path(phase["go"]).exists():
                 if time.monotonic() > deadline:
                     print(f"gave up waiting for {phase['go']}", file=sys.stderr)
