@@ -28,6 +28,9 @@ from evalbus.infra.ports import free_port
 from evalbus_api.client import GatewayClient
 
 SERVICES = ("gateway", "dispatcher", "collector", "judge", "exporter")
+PORT_RETRIES = 3
+"""Starts again on other ports after a free port was taken before the service bound it."""
+ADDRESS_IN_USE = "address already in use"
 
 
 @dataclass
@@ -39,6 +42,11 @@ class ServiceProc:
     port: int
     log_path: Path
     log_file: typing.IO[bytes]
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """What `start` was given beside the stack's environment (a start again gets it too)."""
+    new_ports: bool = False
+    """Whether its ports were picked for this start (no client knows them yet: they may change
+    when the start fails on a port taken meanwhile)."""
 
     @property
     def url(self) -> str:
@@ -66,13 +74,19 @@ class ServiceStack:
 
     def start(self, name: str, *, wait: bool = True, **extra_env: str) -> ServiceProc:
         """Start (or restart) service `name`; wait until `/readyz` answers 200. `judge@2` is
-        another replica of the judge (the part before `@` names the service)."""
+        another replica of the judge (the part before `@` names the service). A restart keeps
+        the ports it had."""
+        return self._start(name, wait=wait, fresh=False, extra_env=extra_env)
+
+    def _start(self, name: str, *, wait: bool, fresh: bool, extra_env: Mapping[str, str]) -> ServiceProc:
+        """`start`; with `fresh`, on new ports (a first start whose ports were taken)."""
         old = self.procs.get(name)
         if old is not None and old.process.poll() is None:
             raise RuntimeError(f"{name} is already running")
         if old is not None:
             old.log_file.close()  # the old process's log; a new one is opened below
-        port = old.port if old is not None else self._new_port()
+        new_ports = old is None or fresh
+        port = self._new_port() if new_ports or old is None else old.port
         self._starts += 1
         log_path = self.workdir / f"{name}-{self._starts}.log"
         log_file = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -104,11 +118,25 @@ class ServiceStack:
             stderr=subprocess.STDOUT,
             cwd=self.workdir,
         )
-        sp = ServiceProc(name=name, process=proc, port=port, log_path=log_path, log_file=log_file)
+        sp = ServiceProc(
+            name=name,
+            process=proc,
+            port=port,
+            log_path=log_path,
+            log_file=log_file,
+            extra_env=dict(extra_env),
+            new_ports=new_ports,
+        )
         self.procs[name] = sp
         if wait:
             self.wait_ready(name)
-        return sp
+        return self.procs[name]  # another one when it had to start again on other ports
+
+    def _forget_ports(self, name: str) -> None:
+        """Let the next start of `name` pick new ports (its HTTP port and its OTLP receiver's)."""
+        if name == "collector":
+            self.otlp_port = 0
+        self._otlp_ports.pop(name, None)
 
     def _new_port(self) -> int:
         # Services started together could be handed the same free port before either binds it.
@@ -125,11 +153,19 @@ class ServiceStack:
             self.wait_ready(name)
 
     def wait_ready(self, name: str, timeout_s: float = 60.0) -> None:
-        """Block until `name` answers 200 on `/readyz` (raise with its log tail if it dies)."""
+        """Block until `name` answers 200 on `/readyz` (raise with its log tail if it dies). A first
+        start that lost its free port to another process before it could bind it (tests run in
+        parallel) is started again on other ports, up to `PORT_RETRIES` times."""
         sp = self.procs[name]
         deadline = time.monotonic() + timeout_s
+        retries = PORT_RETRIES
         while True:
             if sp.process.poll() is not None:
+                if retries > 0 and sp.new_ports and ADDRESS_IN_USE in self.log_tail(name):
+                    retries -= 1
+                    self._forget_ports(name)
+                    sp = self._start(name, wait=False, fresh=True, extra_env=sp.extra_env)
+                    continue
                 raise RuntimeError(f"{name} exited with {sp.process.returncode}:\n{self.log_tail(name)}")
             try:
                 with urllib.request.urlopen(f"{sp.url}/readyz", timeout=1) as resp:  # noqa: S310 - loopback
