@@ -30,6 +30,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from evalbus_runtime.secrets import env_name
+
 
 @dataclass(frozen=True)
 class Reply:
@@ -298,5 +300,5 @@ def judge_env(server: ChatCompletionsServer, *, secret: str = "provider-key") ->
     the secret named `secret`."""
     env = {"JUDGE_MODEL_BASE_URL": f"{server.root}/v1", "JUDGE_MODEL_API_KEY_SECRET": secret}
     if server.api_key is not None:
-        env["EVALBUS_SECRET_" + secret.upper().replace("-", "_")] = server.api_key
+        env[env_name(secret)] = server.api_key
     return env

@@ -55,6 +55,7 @@ from evalbus_contracts import (
 from evalbus_gateway.database import create_pool
 from evalbus_gateway.store import BatchVerifyResult, verify_batch
 from evalbus_runtime import connect
+from evalbus_runtime.secrets import env_name
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 """The repository root (this file is `<root>/src/evalbus/testing/pipeline.py`)."""
@@ -453,7 +454,7 @@ async def open_pipeline(
         )
         per_service = {name: dict(values) for name, values in (service_env or {}).items()}
         dispatcher = per_service.setdefault("dispatcher", {})
-        dispatcher.setdefault("EVALBUS_SECRET_" + GATEWAY_TOKEN_SECRET.upper().replace("-", "_"), stack.admin_token)
+        dispatcher.setdefault(env_name(GATEWAY_TOKEN_SECRET), stack.admin_token)
         # A finalized batch stays on CASES for an hour, not a minute: the tests count its messages on
         # the stream (a duplicate shows there first) after waits that can outlast the default.
         per_service.setdefault("gateway", {}).setdefault("GATEWAY_STREAM_KEEP_FINALIZED_S", "3600")
