@@ -89,6 +89,18 @@ def run_pytest(target: str, env: dict[str, str]) -> tuple[int, float, str]:
     return done.returncode, time.monotonic() - began, tail
 
 
+def scenario_rows(target: str, what: str) -> tuple[list[dict[str, Any]], float]:
+    """The rows `pytest target` reports (`evalbus.testing.reliability`) and its seconds; a test
+    that failed after writing its rows fails them, one that wrote none gives an error row."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "rows.json"
+        code, seconds, tail = run_pytest(target, {**os.environ, "EVALBUS_RELIABILITY_REPORT": str(path)})
+        found: list[dict[str, Any]] = json.loads(path.read_text()) if path.exists() else []
+    if code != 0:
+        found = [{**r, "passed": False} for r in found]
+    return found or [{"test": what, "error": tail or f"exit {code}"}], seconds
+
+
 def poison_row(per_subject: int) -> dict[str, Any]:
     """`bench/poison.py`: a batch under a flood of malformed messages on every consumed subject."""
     done = subprocess.run(
@@ -142,45 +154,17 @@ def main() -> int:
         env = {**os.environ, "EVALBUS_RELIABILITY_REPORT": str(report_path)}
         crash_code, crash_s, crash_tail = run_pytest("tests/test_pipeline_crash.py", env)
         rows: list[dict[str, Any]] = json.loads(report_path.read_text()) if report_path.exists() else []
-        nats_path = Path(tmp) / "nats.json"
-        nats_code, nats_s, nats_tail = run_pytest(NATS_RESTART, {**env, "EVALBUS_RELIABILITY_REPORT": str(nats_path)})
-        nats_rows: list[dict[str, Any]] = json.loads(nats_path.read_text()) if nats_path.exists() else []
-        db_path = Path(tmp) / "database.json"
-        db_code, db_s, db_tail = run_pytest(DATABASE_OUTAGE, {**env, "EVALBUS_RELIABILITY_REPORT": str(db_path)})
-        db_rows: list[dict[str, Any]] = json.loads(db_path.read_text()) if db_path.exists() else []
-        disk_path = Path(tmp) / "disk.json"
-        disk_code, disk_s, disk_tail = run_pytest(DISK_FULL, {**env, "EVALBUS_RELIABILITY_REPORT": str(disk_path)})
-        disk_rows: list[dict[str, Any]] = json.loads(disk_path.read_text()) if disk_path.exists() else []
-        survivor_path = Path(tmp) / "survivor.json"
-        survivor_code, survivor_s, survivor_tail = run_pytest(
-            SURVIVOR, {**env, "EVALBUS_RELIABILITY_REPORT": str(survivor_path)}
-        )
-        survivor_rows: list[dict[str, Any]] = json.loads(survivor_path.read_text()) if survivor_path.exists() else []
-    rows += nats_rows or [{"test": "SIGKILL nats-server (single node)", "error": nats_tail or f"exit {nats_code}"}]
-    rows += db_rows or [{"test": "PostgreSQL unavailable mid-batch", "error": db_tail or f"exit {db_code}"}]
-    rows += disk_rows or [{"test": "case workdirs' disk full", "error": disk_tail or f"exit {disk_code}"}]
-    rows += survivor_rows or [
-        {"test": "SIGKILL dispatcher, a surviving replica", "error": survivor_tail or f"exit {survivor_code}"}
-    ]
-    more_s: dict[str, float] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for n, (target, what) in enumerate(MORE_FAULTS):
-            path = Path(tmp) / f"more-{n}.json"
-            code, seconds, tail = run_pytest(target, {**os.environ, "EVALBUS_RELIABILITY_REPORT": str(path)})
-            more_s[target] = seconds
-            found: list[dict[str, Any]] = json.loads(path.read_text()) if path.exists() else []
-            if code != 0:  # a test that failed after writing its row still fails the scenario
-                found = [{**r, "passed": False} for r in found] or [{"test": what, "error": tail or f"exit {code}"}]
-            rows += found or [{"test": what, "error": f"no row written (exit {code})"}]
-    with tempfile.TemporaryDirectory() as tmp:
-        online_path = Path(tmp) / "online.json"
-        online_code, online_s, online_tail = run_pytest(
-            ONLINE_CRASH, {**os.environ, "EVALBUS_RELIABILITY_REPORT": str(online_path)}
-        )
-        online_rows: list[dict[str, Any]] = json.loads(online_path.read_text()) if online_path.exists() else []
-    if online_code != 0:
-        online_rows = [{**r, "passed": False} for r in online_rows]
-    rows += online_rows or [{"test": "SIGKILL collector (online)", "error": online_tail or f"exit {online_code}"}]
+    seconds: dict[str, float] = {"tests/test_pipeline_crash.py": crash_s}
+    for target, what in (
+        (NATS_RESTART, "SIGKILL nats-server (single node)"),
+        (DATABASE_OUTAGE, "PostgreSQL unavailable mid-batch"),
+        (DISK_FULL, "case workdirs' disk full"),
+        (SURVIVOR, "SIGKILL dispatcher, a surviving replica"),
+        *MORE_FAULTS,
+        (ONLINE_CRASH, "SIGKILL collector (online)"),
+    ):
+        found, seconds[target] = scenario_rows(target, what)
+        rows += found
     rows.append(poison_row(args.poison_per_subject))
     lost = sum(r.get("lost") or 0 for r in rows if r.get("lost") is not None)
     duplicated = sum(r.get("duplicated") or 0 for r in rows if r.get("duplicated") is not None)
@@ -203,15 +187,7 @@ def main() -> int:
         "benchmark": "reliability",
         "rows": rows,
         "max_stall_s": max(stalls) if stalls else None,
-        "seconds": {
-            "crash_module": crash_s,
-            "nats_restart": nats_s,
-            "database_outage": db_s,
-            "disk_full": disk_s,
-            "surviving_replica": survivor_s,
-            "online_crash": online_s,
-            **more_s,
-        },
+        "seconds": seconds,
         "goals": goals,
         "ok": all(g.passed for g in goals),
     }
@@ -234,7 +210,6 @@ def main() -> int:
             )
         )
     notes = [*goal_notes(goals), f"crash module: {crash_tail.splitlines()[-1] if crash_tail else '?'}"]
-    notes.append(f"online crash: {online_tail.splitlines()[-1] if online_tail else '?'}")
     report(out, table, notes, args.json)
     return verdict("reliability", goals, check=args.check)
 
