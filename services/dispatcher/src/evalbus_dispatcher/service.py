@@ -33,7 +33,8 @@ from evalbus_contracts.streams import DISPATCHER_BATCHES
 from evalbus_dispatcher.artifacts import RunObjects
 from evalbus_dispatcher.backends.base import Mark, SandboxHandle, is_observed
 from evalbus_dispatcher.backends.job_spec import LiveHandoffs, RunnerNats
-from evalbus_dispatcher.backends.local import LocalBackend, sweep_orphans
+from evalbus_dispatcher.backends.local import LocalBackend
+from evalbus_dispatcher.backends.process_group import sweep_orphans
 from evalbus_dispatcher.backends.worker import WORKER_IDLE_S
 from evalbus_dispatcher.cancellation import Cancellations, cancelled_execution
 from evalbus_dispatcher.capacity import ROOM_INTERVAL_S, ClusterRoom

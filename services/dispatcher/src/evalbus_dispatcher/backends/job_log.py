@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from evalbus_contracts import PromptSnapshot, RepoSnapshot, Snapshot
 from evalbus_contracts.runner import (
@@ -28,6 +28,7 @@ from evalbus_contracts.runner import (
 )
 from evalbus_dispatcher.backends.base import HarnessRun, OnOutput, OnSpawn, OutputStream, RunFailure
 from evalbus_dispatcher.backends.job_spec import LiveHandoff
+from evalbus_dispatcher.backends.process_group import Capture
 from evalbus_grading import ExecResult
 
 log = logging.getLogger(__name__)
@@ -59,24 +60,6 @@ def _text(raw: bytes) -> str:
     return raw.decode("utf-8", errors="replace").removesuffix("\r")
 
 
-@dataclass
-class _Kept:
-    cap: int
-    lines: deque[str] = field(default_factory=deque)
-    size: int = 0
-    truncated: bool = False
-
-    def add(self, line: str) -> None:
-        self.lines.append(line)
-        self.size += len(line) + 1
-        while self.size > self.cap and len(self.lines) > 1:
-            self.size -= len(self.lines.popleft()) + 1
-            self.truncated = True
-
-    def text(self) -> str:
-        return "\n".join(self.lines)
-
-
 @dataclass(frozen=True, slots=True)
 class UnitEnd:
     """How the orchestrator says the unit ended (when the runner could not say it)."""
@@ -105,8 +88,8 @@ class JobLog:
         self._on_output = on_output
         self._on_spawn = on_spawn
         self._handoff = handoff
-        self._stdout = _Kept(cap)
-        self._stderr = _Kept(cap)
+        self._stdout = Capture(cap)
+        self._stderr = Capture(cap)
         self.started: Started | None = None
         """The runner's `started` record."""
         self.exited: Exited | None = None

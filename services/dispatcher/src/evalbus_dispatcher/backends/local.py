@@ -4,16 +4,14 @@ process group.
 The harness command (argv, no shell) gets the case input on stdin and in the file named by
 `EVALBUS_INPUT_FILE`, the run's ids in its environment, its plain `env`, and its `secret_env`
 resolved by name from the secret store. Secret values are redacted from everything read back.
-A timeout kills the whole process group (SIGTERM, then SIGKILL after a grace) and reads exit 124;
-release kills whatever is left of the group and deletes the workdir.
+A timeout kills the whole process group (SIGTERM, then SIGKILL after a grace) and reads exit 124
+(`process_group`); release kills whatever is left of the group and deletes the workdir.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import errno
 import logging
 import os
 import platform
@@ -21,10 +19,7 @@ import re
 import shutil
 import signal
 import tempfile
-import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 from urllib.parse import quote
@@ -37,8 +32,13 @@ from evalbus_dispatcher.backends.base import (
     LiveExec,
     OnOutput,
     OnSpawn,
-    OutputStream,
     UnitUsage,
+)
+from evalbus_dispatcher.backends.process_group import (
+    OWNER_FILE,
+    owner_mark,
+    run_process,
+    signal_group,
 )
 from evalbus_dispatcher.backends.pty_shell import PtyShell
 from evalbus_dispatcher.errors import BackendError
@@ -50,9 +50,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TIMEOUT_EXIT = 124
-"""Exit code read when a process group is killed on timeout (as `timeout(1)` does)."""
-
 INHERITED_ENV: tuple[str, ...] = (
     "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "TERM",
 )  # fmt: skip
@@ -62,8 +59,6 @@ INHERITED_ENV: tuple[str, ...] = (
 REDACTED = "[redacted]"
 """What a secret value is replaced with in any text read back from a sandbox."""
 
-_READ_CHUNK = 64 * 1024
-_MAX_LINE = 1024 * 1024
 _DIFF_CAP = 256 * 1024
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 _RESOURCE_KEY = "evalbus.run_id"
@@ -126,264 +121,6 @@ def _redactor(values: Iterable[str]) -> Callable[[str], str]:
     return redact
 
 
-# ---------------------------------------------------------------- processes
-
-
-@dataclass
-class _Capture:
-    """The lines of one stream, keeping the tail when over the cap."""
-
-    cap: int
-    lines: deque[str] = field(default_factory=deque)
-    size: int = 0
-    truncated: bool = False
-
-    def add(self, line: str) -> None:
-        self.lines.append(line)
-        self.size += len(line) + 1
-        while self.size > self.cap and len(self.lines) > 1:
-            self.size -= len(self.lines.popleft()) + 1
-            self.truncated = True
-
-    def text(self) -> str:
-        return "\n".join(self.lines)
-
-    def tail(self, limit: int) -> tuple[str, bool]:
-        """The last `limit` bytes of the text (whole lines where they fit) and whether any was cut."""
-        text = self.text()
-        data = text.encode("utf-8")
-        if len(data) <= limit:
-            return text, self.truncated
-        return data[-limit:].decode("utf-8", errors="ignore"), True
-
-
-@dataclass(frozen=True, slots=True)
-class _Exited:
-    exit_code: int
-    stdout: _Capture
-    stderr: _Capture
-    duration_s: float
-    timed_out: bool
-    signal: int | None = None
-
-
-def _exit_code(returncode: int | None) -> int:
-    if returncode is None:
-        return -1
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-async def _pump(
-    reader: asyncio.StreamReader,
-    stream: OutputStream,
-    capture: _Capture,
-    redact: Callable[[str], str],
-    on_output: OnOutput | None,
-) -> None:
-    async def emit(raw: bytes) -> None:
-        line = redact(raw.decode("utf-8", errors="replace").removesuffix("\r"))
-        capture.add(line)
-        if on_output is not None:
-            try:
-                await on_output(stream, line)
-            except Exception:  # a live-view problem must never stall the pipe
-                log.exception("output callback failed; output keeps being read")
-
-    pending = b""
-    while chunk := await reader.read(_READ_CHUNK):
-        pending += chunk
-        *complete, pending = pending.split(b"\n")
-        for raw in complete:
-            await emit(raw)
-        if len(pending) > _MAX_LINE:
-            await emit(pending)
-            pending = b""
-    if pending:
-        await emit(pending)
-
-
-async def _feed(writer: asyncio.StreamWriter, data: bytes) -> None:
-    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-        writer.write(data)
-        await writer.drain()
-    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-        writer.close()
-        await writer.wait_closed()
-
-
-OWNER_FILE = "owner"
-"""File in each case root naming the dispatcher process that made it (`<pid> <start time>`)."""
-
-
-def _start_time(pid: int) -> str | None:
-    """The kernel's start time of `pid` (field 22 of /proc/<pid>/stat), or None when it is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return raw.rsplit(")", 1)[1].split()[19]
-
-
-def _owner_mark(pid: int) -> str:
-    return f"{pid} {_start_time(pid)}"
-
-
-_SETPRIV = shutil.which("setpriv")
-
-
-def _die_with_parent(argv: tuple[str, ...], cwd: Path, env: Mapping[str, str]) -> tuple[str, ...]:
-    """argv wrapped so the kernel SIGKILLs the leader if the dispatcher dies (`PR_SET_PDEATHSIG`
-    through util-linux `setpriv`; a `preexec_fn` would make every spawn a slow full fork). The
-    program is resolved first, so a missing one still fails to spawn (not as setpriv's exit 127)."""
-    if _SETPRIV is None or platform.system() != "Linux":
-        return argv
-    program = argv[0]
-    if "/" in program:
-        path = Path(program) if Path(program).is_absolute() else cwd / program
-        if not path.is_file():
-            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
-        if not os.access(path, os.X_OK):
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), program)
-        resolved = str(path)
-    else:
-        found = shutil.which(program, path=env.get("PATH", os.defpath))
-        if found is None:
-            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
-        resolved = found
-    return (_SETPRIV, "--pdeathsig", "KILL", "--", resolved, *argv[1:])
-
-
-def sweep_orphans(root: Path | None = None) -> list[Path]:
-    """Remove sandboxes left by a dispatcher that died (SIGKILL, machine crash): every case root
-    under `root` whose owner process is gone has its processes killed (found by their working
-    directory) and its folder removed. Sandboxes of live dispatchers are left alone."""
-    base = Path(root or tempfile.gettempdir())
-    swept: list[Path] = []
-    for case_root in base.glob("evalbus-*"):
-        owner = case_root / OWNER_FILE
-        try:
-            pid_text, start = owner.read_text().split()
-        except (OSError, ValueError):
-            continue
-        if _start_time(int(pid_text)) == start:
-            continue  # its dispatcher is alive
-        _kill_processes_under(case_root.resolve())
-        shutil.rmtree(case_root, ignore_errors=True)
-        swept.append(case_root)
-    return swept
-
-
-def _kill_processes_under(folder: Path) -> None:
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            cwd = Path(os.readlink(proc / "cwd"))
-        except OSError:
-            continue
-        if cwd == folder or folder in cwd.parents:
-            with contextlib.suppress(OSError):
-                os.killpg(os.getpgid(int(proc.name)), signal.SIGKILL)
-
-
-class _ExitAwareProtocol(asyncio.subprocess.SubprocessStreamProtocol):
-    """asyncio's stream protocol, plus an event set when the process itself exits.
-
-    `Process.wait()` also waits for the pipes to close, which never happens while a leftover
-    process of the group holds them; the exit of the leader is what ends a run.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(limit=_READ_CHUNK, loop=loop)
-        self.exited = asyncio.Event()
-
-    def process_exited(self) -> None:
-        super().process_exited()
-        self.exited.set()
-
-
-async def _run_process(
-    argv: tuple[str, ...],
-    *,
-    cwd: Path,
-    env: Mapping[str, str],
-    stdin: bytes | None,
-    timeout_s: float,
-    redact: Callable[[str], str],
-    on_output: OnOutput | None,
-    groups: set[int],
-    grace_s: float,
-    drain_s: float,
-    cap: int,
-    on_spawn: OnSpawn | None = None,
-) -> _Exited:
-    """Run argv in its own process group; raises OSError when it cannot be spawned."""
-    loop = asyncio.get_running_loop()
-    started = time.monotonic()
-    transport, protocol = await loop.subprocess_exec(
-        lambda: _ExitAwareProtocol(loop),
-        *_die_with_parent(argv, cwd, env),
-        cwd=cwd,
-        env=dict(env),
-        stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        start_new_session=True,
-    )
-    pgid = transport.get_pid()  # the new session's process group id is the leader's pid
-    groups.add(pgid)
-    if on_spawn is not None:
-        try:
-            await on_spawn(pgid)
-        except Exception:  # a live-view problem must never stop the run
-            log.exception("spawn callback failed; the run goes on")
-    assert protocol.stdout is not None
-    assert protocol.stderr is not None
-    out, err = _Capture(cap), _Capture(cap)
-    tasks = [
-        asyncio.create_task(_pump(protocol.stdout, "stdout", out, redact, on_output)),
-        asyncio.create_task(_pump(protocol.stderr, "stderr", err, redact, on_output)),
-    ]
-    if stdin is not None and protocol.stdin is not None:
-        tasks.append(asyncio.create_task(_feed(protocol.stdin, stdin)))
-    timed_out = False
-    try:
-        try:
-            await asyncio.wait_for(protocol.exited.wait(), timeout_s)
-        except TimeoutError:
-            timed_out = True
-            _signal_group(pgid, signal.SIGTERM)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(protocol.exited.wait(), grace_s)
-            _signal_group(pgid, signal.SIGKILL)  # whatever ignored SIGTERM or outlived the leader
-            await protocol.exited.wait()
-        duration = time.monotonic() - started
-        # Processes left in the group may still hold the pipes: give them a bounded drain.
-        await asyncio.wait(tasks, timeout=drain_s)
-    except BaseException:  # cancelled: nothing of the group may outlive the caller
-        _signal_group(pgid, signal.SIGKILL)
-        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-            await asyncio.wait_for(asyncio.shield(protocol.exited.wait()), grace_s + drain_s)
-        raise
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        transport.close()  # the pipes, even if a leftover still holds their other end
-    returncode = transport.get_returncode()
-    return _Exited(
-        exit_code=TIMEOUT_EXIT if timed_out else _exit_code(returncode),
-        stdout=out,
-        stderr=err,
-        duration_s=duration,
-        timed_out=timed_out,
-        signal=-returncode if returncode is not None and returncode < 0 else None,
-    )
-
-
 # ---------------------------------------------------------------- backend
 
 
@@ -444,7 +181,7 @@ class LocalBackend:
         self._node = platform.node() or None
         self._workers: WorkerPool | None = None
         self._worker_idle_s = worker_idle_s
-        self._owner = _owner_mark(os.getpid())  # read once: /proc costs a few syscalls per case
+        self._owner = owner_mark(os.getpid())  # read once: /proc costs a few syscalls per case
         self._live: set[LocalSandbox] = set()
         """Sandboxes provisioned and not yet released: their processes are nobody's orphans."""
 
@@ -685,7 +422,7 @@ class LocalSandbox:
                 await on_spawn(pgid)
 
         try:
-            exited = await _run_process(
+            exited = await run_process(
                 argv,
                 cwd=self.workdir,
                 env={**self._env, **self._secret_env},
@@ -749,7 +486,7 @@ class LocalSandbox:
     async def exec(self, command: str, timeout_s: float) -> ExecResult:
         """Run `command` with `/bin/sh -c` in the workdir (no secrets in its environment)."""
         self._check_live()
-        exited = await _run_process(
+        exited = await run_process(
             ("/bin/sh", "-c", command),
             cwd=self.workdir,
             env=self._env,
@@ -776,7 +513,7 @@ class LocalSandbox:
         too, masked in the output): a person looking into the live sandbox. The end of each stream,
         at most `cap_bytes`, comes back."""
         self._check_live()
-        exited = await _run_process(
+        exited = await run_process(
             ("/bin/sh", "-c", command),
             cwd=self.workdir,
             env={**self._env, **self._secret_env},
@@ -821,7 +558,7 @@ class LocalSandbox:
     def kill_group(self, pgid: int) -> None:
         """SIGKILL one process group started in this sandbox."""
         if pgid in self._groups:
-            _signal_group(pgid, signal.SIGKILL)
+            signal_group(pgid, signal.SIGKILL)
 
     async def snapshot(self, answer: str) -> Snapshot:
         """A repo snapshot when the workdir is a git repository, else the answer as a prompt snapshot."""
@@ -839,7 +576,7 @@ class LocalSandbox:
         self._released = True
         try:
             for pgid in self._groups:
-                _signal_group(pgid, signal.SIGKILL)
+                signal_group(pgid, signal.SIGKILL)
             if self._adopting:  # the daemons it forked, re-parented to this process
                 # Every process a live sandbox started (and every warm worker) is known: a child
                 # of this process outside them is an orphan. None (the common case, found with a
@@ -864,7 +601,7 @@ class LocalSandbox:
             raise BackendError("the sandbox was already released", code="released", retryable=False)
 
     async def _git(self, *args: str) -> str | None:
-        exited = await _run_process(
+        exited = await run_process(
             ("git", "-C", str(self.workdir), *args),
             cwd=self.workdir,
             env=self._env,

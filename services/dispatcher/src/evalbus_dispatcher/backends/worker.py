@@ -51,15 +51,15 @@ from evalbus_contracts.worker_protocol import (
 )
 from evalbus_dispatcher.backends import disk, procfs
 from evalbus_dispatcher.backends.base import HarnessRun, OnOutput, OnSpawn, OutputStream, RunFailure, UnitUsage
-from evalbus_dispatcher.backends.local import (
+from evalbus_dispatcher.backends.process_group import (
     OWNER_FILE,
     TIMEOUT_EXIT,
-    _Capture,
-    _die_with_parent,
-    _exit_code,
-    _ExitAwareProtocol,
-    _owner_mark,
-    _signal_group,
+    Capture,
+    ExitAwareProtocol,
+    die_with_parent,
+    exit_code,
+    owner_mark,
+    signal_group,
 )
 
 log = logging.getLogger(__name__)
@@ -103,8 +103,8 @@ class _Serving:
     run_id: str
     on_output: OnOutput
     redact: Callable[[str], str]
-    out: _Capture
-    err: _Capture
+    out: Capture
+    err: Capture
     done: asyncio.Future[ResultMessage | RunFailure] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -134,7 +134,7 @@ class _Worker:
         self.recent: deque[str] = deque(maxlen=_RECENT_LINES)
         """Its last stderr lines outside any case (evidence when it dies starting)."""
         self._transport: asyncio.SubprocessTransport | None = None
-        self._protocol: _ExitAwareProtocol | None = None
+        self._protocol: ExitAwareProtocol | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._redact: Callable[[str], str] = lambda text: text
 
@@ -151,8 +151,8 @@ class _Worker:
         loop = asyncio.get_running_loop()
         self._redact = redact
         transport, protocol = await loop.subprocess_exec(
-            lambda: _ExitAwareProtocol(loop),
-            *_die_with_parent(argv, self.home, env),
+            lambda: ExitAwareProtocol(loop),
+            *die_with_parent(argv, self.home, env),
             cwd=self.home,
             env=dict(env),
             stdin=asyncio.subprocess.PIPE,
@@ -275,7 +275,7 @@ class _Worker:
                 message=f"the worker (pid {self.pid}) was killed (SIGKILL) while serving the case; it is replaced",
                 retryable=True,
             )
-        how = f"died of {signal.Signals(sig).name}" if sig is not None else f"exited with {_exit_code(code)}"
+        how = f"died of {signal.Signals(sig).name}" if sig is not None else f"exited with {exit_code(code)}"
         return RunFailure(
             code="worker_crashed",
             failure_class="harness",
@@ -303,7 +303,7 @@ class _Worker:
             return
         if self.exited.is_set() and procfs.group_usage(self.pid) is None:
             return
-        _signal_group(self.pid, signal.SIGKILL)
+        signal_group(self.pid, signal.SIGKILL)
 
     async def stop(self, grace_s: float) -> None:
         """End it: stdin closed (a served worker exits by itself), killed after `grace_s`; its home
@@ -416,7 +416,7 @@ class WorkerPool:
         key = (job.batch_id, argv, tuple(sorted(worker_env.items())))
         started = time.monotonic()
         serving = _Serving(
-            run_id=job.run_id or "", on_output=on_output, redact=redact, out=_Capture(cap), err=_Capture(cap)
+            run_id=job.run_id or "", on_output=on_output, redact=redact, out=Capture(cap), err=Capture(cap)
         )
         worker = self._take_idle(key)
         if worker is None:
@@ -441,7 +441,7 @@ class WorkerPool:
             )
             if isinstance(outcome, str):  # past its timeout: SIGTERM, a grace, SIGKILL, as a command's group
                 worker.dead = True
-                _signal_group(worker.pid, signal.SIGTERM)
+                signal_group(worker.pid, signal.SIGTERM)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(worker.exited.wait(), self._grace_s)
             if isinstance(outcome, str | RunFailure):  # gone before the case goes on; its last words read
@@ -465,7 +465,7 @@ class WorkerPool:
             # the cgroup's OOM kills counted since the worker started (read per worker, not per case)
             oom = procfs.oom_verdict(sig, timed_out=False, before=worker.oom_kills, after=procfs.oom_kills())
             return HarnessRun(
-                exit_code=_exit_code(code) if outcome.code != "worker_protocol" else None,
+                exit_code=exit_code(code) if outcome.code != "worker_protocol" else None,
                 stdout=serving.out.text(),
                 stderr=serving.err.text(),
                 duration_s=duration,
@@ -540,7 +540,7 @@ class WorkerPool:
         return RunFailure(
             code="worker_start_failed",
             failure_class="harness",
-            message=f"the worker exited with {_exit_code(code)} before it was ready for cases",
+            message=f"the worker exited with {exit_code(code)} before it was ready for cases",
         )
 
     def _ended(self, serving: _Serving, worker: _Worker, duration: float) -> HarnessRun:
@@ -590,7 +590,7 @@ class WorkerPool:
         if len(self._alive) >= self._slots:
             self._evict_one()
         home = Path(tempfile.mkdtemp(prefix="evalbus-worker-", dir=self._root))
-        (home / OWNER_FILE).write_text(_owner_mark(os.getpid()))
+        (home / OWNER_FILE).write_text(owner_mark(os.getpid()))
         worker = _Worker(key, home, max_cases, self._retire)
         worker.oom_kills = procfs.oom_kills()
         try:
