@@ -105,6 +105,15 @@ async def test_exec_runs_in_the_workdir_and_environment_with_secrets_masked(live
     ]  # noqa: E501
 
 
+async def test_a_command_exec_cannot_carry_is_answered_not_dropped(live: Live, nc: NatsClient) -> None:
+    """A NUL byte makes exec(2) raise ValueError: the dispatcher still answers (else the gateway
+    waits out its timeout and tells the user to retry what can never work)."""
+    done = await exec_in(nc, live.run_id, "echo a\x00b")
+    assert (done.found, done.exit_code) == (True, 127)
+    assert "cannot run the command" in done.stderr
+    assert "null byte" in done.stderr
+
+
 async def test_exec_times_out_with_124(live: Live, nc: NatsClient) -> None:
     done = await exec_in(nc, live.run_id, "echo started; sleep 30", timeout_s=0.5)
     assert (done.found, done.exit_code, done.timed_out, done.stdout) == (True, 124, True, "started")

@@ -178,7 +178,7 @@ class _RunControls:
             )
         except BackendError:
             reply = ExecReply(found=False)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: what exec(2) cannot carry (a NUL byte)
             reply = ExecReply(found=True, stderr=f"cannot run the command: {e}", exit_code=127)
         else:
             reply = ExecReply(

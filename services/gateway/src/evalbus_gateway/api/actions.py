@@ -44,6 +44,8 @@ def _exec_body_problem(body: ExecBody) -> ApiError | None:
         return ApiError(400, "invalid", "the command is empty", "$.command")
     if len(body.command.encode("utf-8")) > MAX_COMMAND_BYTES:
         return ApiError(400, "invalid", f"the command is longer than {MAX_COMMAND_BYTES} bytes", "$.command")
+    if "\x00" in body.command:
+        return ApiError(400, "invalid", "the command holds a NUL byte, which no command line can carry", "$.command")
     if not 0 < body.timeout_s <= EXEC_TIMEOUT_MAX_S:
         return ApiError(400, "invalid", f"must be more than 0 and at most {EXEC_TIMEOUT_MAX_S:g}", "$.timeout_s")
     return None
