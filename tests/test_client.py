@@ -15,6 +15,7 @@ import pytest
 from evalbus import Client
 from evalbus.client import ApiRequestError, SpecFileError
 from evalbus.testing.pipeline import AGENT, Pipeline, agent_harness, open_pipeline, task
+from evalbus_api.models import StreamEnd
 from evalbus_contracts import AnswerMatchGrader, BatchSpec, CaseSpec, ContainsJudge, SuiteSpec, decode_event
 
 pytestmark = pytest.mark.e2e
@@ -66,6 +67,11 @@ async def test_a_suite_file_and_a_spec_and_following_the_events(client: Client, 
     assert kinds.count("case.exported") == 1
     assert kinds[-1] == "batch.finalized"
     assert decode_event(events[0].data.encode()).batch_id == batch_id
+    decoded = [e.decoded() for e in events]  # every event decodes, `end` included
+    assert decoded[-1] == StreamEnd(batch_id=batch_id, status="succeeded")
+    assert events[-1].is_end
+    assert events[-1].id is None  # `end` carries no sequence: an id belongs to its own event
+    assert all(e.id is not None for e in events[:-1])
     spec = BatchSpec(
         suite=SuiteSpec(
             id="as-spec",
@@ -103,5 +109,5 @@ async def test_what_a_user_gets_wrong_is_named(client: Client, pipeline: Pipelin
     with pytest.raises(ApiRequestError) as refused, Client(gateway=pipeline.stack.gateway_url, token="wrong") as other:
         other.batch("no-such-batch")
     assert refused.value.status == 401
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError, match=r"batch b\w+ was not final after 0\.5 s"):
         client.wait(client.submit(mapping("yes", suite_id="slowish", sleep_s=5)), timeout_s=0.5)

@@ -124,7 +124,10 @@ class Client:
             return view
 
         async def bounded() -> BatchView:
-            return await asyncio.wait_for(go(), timeout_s)
+            try:
+                return await asyncio.wait_for(go(), timeout_s)
+            except TimeoutError:
+                raise TimeoutError(f"batch {batch_id} was not final after {timeout_s:g} s") from None
 
         return self._call(bounded() if timeout_s is not None else go())
 

@@ -20,6 +20,7 @@ import msgspec
 import pytest
 
 from evalbus.infra.postgres import create_database, drop_database
+from evalbus_api.client import GatewayClient
 from evalbus_api.models import ErrorBody
 from evalbus_contracts import to_builtins
 from evalbus_gateway.api.limits import RunRate
@@ -175,6 +176,34 @@ async def test_event_streams_per_principal_are_capped(world: World) -> None:
     await until(lambda: slots.open_for("alice") == 0, "every slot freed once the clients left")
 
 
+async def test_the_client_waits_for_a_stream_slot_instead_of_failing(world: World) -> None:
+    """A follow refused 429 (every slot of the principal taken) waits out `Retry-After` and
+    connects once a slot frees, as `Client.wait` and `follow` in a notebook need."""
+    batch = world.open_batch
+    events = world.url(f"/v1/batches/{batch.batch_id}/events")
+    statuses: list[int] = []
+
+    async def on_end(_: aiohttp.ClientSession, __: object, params: aiohttp.TraceRequestEndParams) -> None:
+        statuses.append(params.response.status)
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_end.append(on_end)
+    async with (
+        aiohttp.ClientSession() as http,
+        aiohttp.ClientSession(trace_configs=[trace]) as traced,
+        AsyncExitStack() as held,
+    ):
+        opened = [await _open(held, http, events, ALICE) for _ in range(STREAMS)]
+        client = GatewayClient(world.url(""), ALICE, session=traced)
+        first = asyncio.create_task(anext(aiter(client.events(batch.batch_id))))
+        await until(lambda: 429 in statuses or first.done(), "the client was refused a slot")
+        assert not first.done(), first.result()  # it waits; it has not failed
+        opened[0].close()  # a slot frees at the gateway's next heartbeat
+        event = await asyncio.wait_for(first, 60)
+        assert event.event == "batch.requested"
+        assert statuses.count(200) == 1
+
+
 # ---------------------------------------------------------------- exec rate per run
 
 
@@ -201,6 +230,22 @@ async def test_exec_per_run_is_rate_limited(world: World) -> None:
         assert (error.code, error.field) == ("too_many_requests", "run_id")
         assert (await execute(run, world.gateway.admin_token))[0] == 429
         assert (await execute(batch.run_id("c2"), ALICE))[0] == 200  # another run has its own budget
+
+
+async def test_exec_bodies_no_command_line_can_carry_are_refused(world: World) -> None:
+    run = world.open_batch.run_id("c4")
+    cases = [
+        ({"command": "   "}, "$.command"),
+        ({"command": "echo a\u0000b"}, "$.command"),  # exec(2) cannot take it: 400, not a dispatcher timeout
+        ({"command": "true", "timeout_s": 0}, "$.timeout_s"),
+    ]
+    async with aiohttp.ClientSession() as http:
+        for body, where in cases:
+            async with http.post(world.url(f"/v1/runs/{run}/exec"), json=body, headers=auth(ALICE)) as resp:
+                raw = await resp.read()
+                assert resp.status == 400, raw
+                error = msgspec.json.decode(raw, type=ErrorBody).error
+                assert (error.code, error.field) == ("invalid", where), error
 
 
 @pytest.mark.unit

@@ -26,7 +26,7 @@ def test_frames_round_trip_through_the_parser_in_any_chunking() -> None:
     expected = [
         SseEvent(41, "case.executed", '{"type":"case.executed","x":1}'),
         SseEvent(42, "note", "line one\nline two"),
-        SseEvent(42, "end", '{"batch_id":"b1","status":"cancelled"}'),
+        SseEvent(None, "end", '{"batch_id":"b1","status":"cancelled"}'),
     ]
     for size in (1, 2, 7, len(stream)):
         parser = SseParser()

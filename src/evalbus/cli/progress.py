@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 from evalbus_api.client import END_EVENT, SseEvent
+from evalbus_api.live import RunStreamEnd
 from evalbus_api.models import StreamEnd
 from evalbus_contracts import (
     BatchCancelled,
@@ -134,7 +135,8 @@ class BatchProgress:
             event = sse.decoded()
         except DecodeError:
             return
-        self.apply(event)
+        if not isinstance(event, StreamEnd | RunStreamEnd):
+            self.apply(event)
 
 
 def _end_status(data: str) -> str:

@@ -24,6 +24,8 @@ from evalbus.cli.connection import GatewayTarget, TargetError, add_gateway_optio
 from evalbus.cli.follow import EXIT_FINALIZED, EXIT_NOT_SUCCEEDED, api_failure
 from evalbus.cli.progress import BatchProgress
 from evalbus_api.client import END_EVENT, ApiRequestError, GatewayClient, SseEvent
+from evalbus_api.live import RunStreamEnd
+from evalbus_api.models import StreamEnd
 from evalbus_contracts import (
     BatchCancelled,
     BatchFinalized,
@@ -114,7 +116,9 @@ async def tail(target: GatewayTarget, batch_id: str, *, json_output: bool, after
                 print(f"end: batch {batch_id} {progress.status}", flush=True)
             else:
                 try:
-                    print(event_line(sse.decoded()), flush=True)
+                    event = sse.decoded()
+                    if not isinstance(event, StreamEnd | RunStreamEnd):
+                        print(event_line(event), flush=True)
                 except DecodeError:
                     print(f"{sse.event:<16} (undecodable event at sequence {sse.id})", flush=True)
     return EXIT_FINALIZED if progress.status == "succeeded" else EXIT_NOT_SUCCEEDED

@@ -23,8 +23,17 @@ import msgspec
 
 from evalbus_api.actions import ExecBody, ExecView, ScreenView, TicketView
 from evalbus_api.compare import BaselineRequest, BaselineView
-from evalbus_api.live import LiveTraceView, LogTail, RunPlacement
-from evalbus_api.models import BatchAccepted, BatchPage, CancelAccepted, CasePage, DatasetUploaded, ErrorBody, Me
+from evalbus_api.live import LiveTraceView, LogTail, RunPlacement, RunStreamEnd
+from evalbus_api.models import (
+    BatchAccepted,
+    BatchPage,
+    CancelAccepted,
+    CasePage,
+    DatasetUploaded,
+    ErrorBody,
+    Me,
+    StreamEnd,
+)
 from evalbus_api.online import (
     ObservationAnswer,
     OnlineStats,
@@ -42,31 +51,49 @@ T = TypeVar("T")
 END_EVENT = "end"
 """The event that ends a batch's stream (its data holds the final status)."""
 
+TOO_MANY_STREAMS = 429
+"""The answer to a stream the principal has no slot for: waited out (its `Retry-After`) and tried
+again for up to the stream's idle timeout, since a slot frees as soon as the gateway notices a
+closed stream (at its next heartbeat)."""
+
 
 class ApiRequestError(Exception):
     """The gateway answered with an error (or not at all)."""
 
-    def __init__(self, status: int, code: str, message: str, field: str | None = None) -> None:
+    def __init__(
+        self, status: int, code: str, message: str, field: str | None = None, *, retry_after_s: float | None = None
+    ) -> None:
         super().__init__(f"{status} {code}: {message}" + (f" (field {field})" if field else ""))
         self.status = status
         self.code = code
         self.message = message
         self.field = field
+        self.retry_after_s = retry_after_s
+        """The answer's `Retry-After`, in seconds, when it had one."""
 
 
 class SseEvent(NamedTuple):
     """One server-sent event: `(id, event, data)`."""
 
     id: int | None
-    """Stream sequence (None for `end`)."""
+    """Stream sequence (None for `end`, which carries none)."""
     event: str
     """Event type (`case.executed`...), or `end`."""
     data: str
     """The data (event JSON)."""
 
-    def decoded(self) -> Event:
-        """The data as a contract event (not for `end`)."""
-        return decode_event(self.data.encode("utf-8"))
+    @property
+    def is_end(self) -> bool:
+        """The stream's last event: the batch finalized, or the run settled."""
+        return self.event == END_EVENT
+
+    def decoded(self) -> Event | StreamEnd | RunStreamEnd:
+        """A batch stream's event as its contract event, and `end` as what it says (`StreamEnd` of
+        a batch, `RunStreamEnd` of a run)."""
+        raw = self.data.encode("utf-8")
+        if self.is_end:
+            return decode(raw, RunStreamEnd) if b'"run_id"' in raw else decode(raw, StreamEnd)
+        return decode_event(raw)
 
 
 class SseParser:
@@ -97,7 +124,7 @@ class SseParser:
             if not self._data and not self._event:
                 return None
             event = SseEvent(self._id, self._event or "message", "\n".join(self._data))
-            self._event, self._data = "", []
+            self._id, self._event, self._data = None, "", []  # an id belongs to its own event only
             return event
         if line.startswith(":"):
             return None
@@ -167,7 +194,7 @@ class GatewayClient:
             ) as resp:
                 payload = await resp.read()
                 if resp.status >= 400:
-                    raise _error(resp.status, payload)
+                    raise _error(resp.status, payload, resp.headers.get("Retry-After"))
         except aiohttp.ClientError as e:
             raise ApiRequestError(0, "unreachable", f"{method} {path}: {type(e).__name__}: {e}") from e
         return decode(payload, kind)
@@ -195,7 +222,7 @@ class GatewayClient:
             ) as resp:
                 payload = await resp.read()
                 if resp.status >= 400:
-                    raise _error(resp.status, payload)
+                    raise _error(resp.status, payload, resp.headers.get("Retry-After"))
         except aiohttp.ClientError as e:
             raise ApiRequestError(0, "unreachable", f"POST /v1/datasets: {type(e).__name__}: {e}") from e
         return decode(payload, DatasetUploaded)
@@ -364,6 +391,8 @@ class GatewayClient:
         url = self.base_url + path
         timeout = aiohttp.ClientTimeout(total=None, sock_read=idle_timeout_s)
         failures = 0
+        loop = asyncio.get_running_loop()
+        crowded_since: float | None = None
         while True:
             headers = {**self._headers, "Accept": "text/event-stream"}
             if last_event_id is not None:
@@ -371,7 +400,8 @@ class GatewayClient:
             try:
                 async with self._http().get(url, headers=headers, timeout=timeout) as resp:
                     if resp.status >= 400:
-                        raise _error(resp.status, await resp.read())
+                        raise _error(resp.status, await resp.read(), resp.headers.get("Retry-After"))
+                    crowded_since = None
                     parser = SseParser()
                     async for chunk in resp.content.iter_any():
                         for event in parser.feed(chunk):
@@ -382,6 +412,14 @@ class GatewayClient:
                             if event.event == END_EVENT:
                                 return
             except ApiRequestError as e:
+                if e.status == TOO_MANY_STREAMS and e.retry_after_s is not None:
+                    # The principal's streams are all taken: wait as told, up to one idle timeout.
+                    now = loop.time()
+                    crowded_since = crowded_since if crowded_since is not None else now
+                    if now - crowded_since + e.retry_after_s > idle_timeout_s:
+                        raise
+                    await asyncio.sleep(e.retry_after_s)
+                    continue
                 if e.status < 500:
                     raise
                 failures += 1
@@ -406,9 +444,12 @@ def _params(**values: object) -> dict[str, str]:
     return {k: str(v) for k, v in values.items() if v is not None}
 
 
-def _error(status: int, payload: bytes) -> ApiRequestError:
+def _error(status: int, payload: bytes, retry_after: str | None = None) -> ApiRequestError:
+    wait = float(retry_after) if retry_after is not None and retry_after.isdigit() else None
     try:
         detail = msgspec.json.decode(payload, type=ErrorBody).error
     except msgspec.DecodeError:
-        return ApiRequestError(status, "http_error", payload[:200].decode("utf-8", errors="replace"))
-    return ApiRequestError(status, detail.code, detail.message, detail.field)
+        return ApiRequestError(
+            status, "http_error", payload[:200].decode("utf-8", errors="replace"), retry_after_s=wait
+        )
+    return ApiRequestError(status, detail.code, detail.message, detail.field, retry_after_s=wait)
