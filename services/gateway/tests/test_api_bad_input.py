@@ -412,3 +412,23 @@ async def test_every_v1_route_needs_a_token(
         assert resp.status == 401
         error = msgspec.json.decode(await resp.read(), type=ErrorBody).error
     assert (error.code, error.field) == ("unauthorized", "Authorization")
+
+
+async def test_a_get_resource_answers_head_with_its_status_and_no_body(
+    gateway: RunningGateway, batches: dict[str, str]
+) -> None:
+    one = batches["one"]
+    async with aiohttp.ClientSession() as http:
+        for path, token, status in [
+            (f"/v1/batches/{one}", ALICE, 200),
+            ("/v1/batches/bdoesnotexist", ALICE, 404),
+            (f"/v1/batches/{one}", None, 401),
+        ]:
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            async with http.head(gateway.base_url + path, headers=headers) as resp:
+                assert resp.status == status, path
+                assert await resp.read() == b""
+            async with http.get(gateway.base_url + path, headers=headers) as resp:
+                assert resp.status == status, path
+        async with http.head(gateway.base_url + f"/v1/batches/{one}/events", headers=auth(ALICE)) as resp:
+            assert resp.status == 405  # an event stream has no head to give

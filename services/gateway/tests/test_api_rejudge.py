@@ -345,6 +345,7 @@ async def test_rejudge_access_unknown_and_unfinished(
         ({"judges": [{"kind": "exact", "id": "a:b"}]}, 400, "invalid", "$.judges[0].id"),
         ({"judges": [{"kind": "regex", "id": "r", "pattern": "("}]}, 400, "invalid", "$.judges[0].pattern"),
         ({"judges": [], "extra": 1}, 400, "invalid", "$.extra"),
+        ({"judges": []}, 400, "invalid", "$.judges"),
         (b"x" * (1024 * 1024 + 1), 413, "payload_too_large", "$"),
     ],
     ids=[
@@ -356,6 +357,7 @@ async def test_rejudge_access_unknown_and_unfinished(
         "colon-id",
         "bad-regex",
         "unknown-field",
+        "no-judges",
         "too-big",
     ],
 )

@@ -208,6 +208,8 @@ async def rejudge_batch(call: Call) -> web.StreamResponse:
     old_id = path_id(request, "batch_id")
     body = await read_body(request, state.settings.max_request_bytes)
     wanted = parse_json(body, RejudgeRequest) if body.strip() else RejudgeRequest()
+    if wanted.judges is not None and not wanted.judges:
+        raise ApiError(400, "invalid", "no judges: leave `judges` out to judge again with the batch's own", "$.judges")
     view = await find_batch(state.pool, state.js, old_id)
     if view is None or not call.user.may_access(view.submitted_by):
         raise not_found("batch", "batch_id", old_id)

@@ -565,6 +565,9 @@ def install_api(app: web.Application, state: GatewayState, routes: tuple[Route, 
     for route in routes:
         if route.handler is None:
             continue
+        endpoint = _bind(route, state)
         for method in route.methods:
-            app.router.add_route(method, route.path, _bind(route, state))
+            app.router.add_route(method, route.path, endpoint)
+        if "GET" in route.methods and not route.is_event_stream:
+            app.router.add_route("HEAD", route.path, endpoint)  # HTTP: a GET resource answers HEAD (no body)
     state.openapi = encode(build_openapi(routes))
