@@ -18,7 +18,7 @@ from evalbus.infra.postgres import create_database, drop_database
 from evalbus_api.models import ErrorBody
 from evalbus_contracts import encode, to_builtins
 from evalbus_gateway.api.routes import ROUTES
-from evalbus_gateway.testing import BatchScript, RunningGateway, batch_spec, member, running_gateway
+from evalbus_gateway.testing import ADMIN_TOKEN, BatchScript, RunningGateway, batch_spec, member, running_gateway
 
 pytestmark = pytest.mark.integration
 
@@ -351,6 +351,16 @@ CASES: list[Bad] = [
     ),
     # ------------------------------------------------ roles, methods, paths
     Bad("member on an admin route", "POST", "/v1/admin/read-models/rebuild", 403, "forbidden", "Authorization"),
+    Bad(
+        "a body where none is taken",
+        "POST",
+        "/v1/admin/read-models/rebuild",
+        400,
+        "invalid",
+        "$",
+        json={"x": 1},
+        token=ADMIN_TOKEN,
+    ),
     Bad("wrong method", "DELETE", "/v1/batches", 405, "method_not_allowed", "method"),
     Bad("wrong method on a batch", "PUT", "/v1/batches/{one}", 405, "method_not_allowed", "method"),
     Bad("unknown path", "GET", "/v1/nothing-here", 404, "not_found", "path"),

@@ -124,7 +124,7 @@ async def run_artifact(call: Call) -> web.StreamResponse:
         raise not_found("trajectory of run", "run_id", run_id)
     ref = _pick(run_id, await _named_objects(call, trajectory), name)
     if ref is None:
-        raise not_found("artifact of run", "name", name)
+        raise ApiError(404, "not_found", f"run {run_id!r} has no artifact {name!r}", "name")
     js = call.state.js
     try:
         info = await object_info(js, ref)

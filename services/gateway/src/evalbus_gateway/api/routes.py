@@ -286,6 +286,9 @@ async def me(call: Call) -> web.StreamResponse:
 
 async def rebuild(call: Call) -> web.StreamResponse:
     """POST /v1/admin/read-models/rebuild."""
+    body = (await read_body(call.request, call.state.settings.max_request_bytes)).strip()
+    if body not in (b"", b"{}"):
+        raise ApiError(400, "invalid", "this request takes no body (or an empty object)", "$")
     outcome = await rebuild_read_models(call.state.pool)
     log.info("read models rebuilt by %s: %d events", call.user.name, outcome.events)
     return json_response(outcome)
