@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import stat
@@ -360,6 +361,39 @@ def test_external_database_gets_its_database_and_schema(stack: Stack, pg_admin_u
     assert "schema_migrations" in asyncio.run(tables())
     assert stack.run("down").returncode == 0
     assert_nothing_left(recorded_pids(endpoints), recorded_ports(endpoints))
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_database_serves_one_stack(stack: Stack, pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Two stacks on one PostgreSQL server never share an event store (the second's recorder would
+    take its stream's first events for the first's, recorded already, and hang): the one named
+    explicitly is refused, and this folder's next stack after `.evalbus` was removed is one too."""
+    stack.env["DATABASE_URL"] = pg_admin_url
+    first = stack.up("--no-services")
+    assert first.returncode == 0, explain(first)
+    # A plain `up` keeps the database this stack used (no --database needed again).
+    again = stack.run("up", "--no-services")
+    assert again.returncode == 0, explain(again)
+    assert stack.endpoints()["database"] == with_database(pg_admin_url, stack.database)
+
+    other = Stack(tmp_path_factory.mktemp("other-stack"), dict(stack.env), stack.database)
+    refused = other.up("--no-services")
+    assert refused.returncode == 1, explain(refused)
+    assert f"database {stack.database} is the event store of the stack in {stack.dir}" in refused.stderr
+    assert "--database NAME" in refused.stderr
+    assert "evalbus down" not in refused.stderr  # it started nothing: nothing to stop
+
+    # A different explicit database for the running stack: named, with what to do.
+    moved = stack.run("up", "--no-services", "--database", "evalbus_elsewhere")
+    assert moved.returncode == 1, explain(moved)
+    assert f"the stack runs with database {stack.database}, not evalbus_elsewhere" in moved.stderr
+
+    assert stack.run("down").returncode == 0
+    shutil.rmtree(stack.dir)  # the folder's stack is gone; its events would stay in the database
+    named = stack.up("--no-services")
+    assert named.returncode == 1, explain(named)
+    assert f"is the event store of the stack in {stack.dir} (since removed)" in named.stderr
 
 
 @pytest.mark.integration

@@ -9,7 +9,7 @@ then what `evalbus up` recorded in the state folder.
 | NATS URL | `--nats` | — | `endpoints.json` `nats`, else `NATS_URL` |
 
 The database comes from `endpoints.json` before `DATABASE_URL` because `up` creates its own
-database (`evalbus`) on the server `DATABASE_URL` names.
+database (`evalbus`, or one of its own) on the server `DATABASE_URL` names.
 """
 
 from __future__ import annotations

@@ -27,7 +27,10 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--nats-port", type=int, default=None, help="fixed NATS client port (default: the last one, else a free one)"
     )
     parser.add_argument(
-        "--database", default="evalbus", help="database created on the PostgreSQL server (default: evalbus)"
+        "--database",
+        default=None,
+        help="database created on the DATABASE_URL server (default: the one this stack used before, else evalbus; "
+        "when that is another stack's event store, one of this stack's own)",
     )
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for health (default: 60)")
     parser.add_argument(
@@ -80,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         _fail(f"evalbus up failed: {e.component}: {e.message}")
         if e.log is not None:
             _fail(f"  last lines of {e.log}:\n{_indented_tail(e.log)}")
-        _fail("Stop what did start with `evalbus down`.")
+        if e.started:
+            _fail("Stop what did start with `evalbus down`.")
         return 1
     except UnhealthyError as e:
         _fail("evalbus up failed, not healthy:")

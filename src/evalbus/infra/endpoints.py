@@ -82,6 +82,9 @@ class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
     """Service name → process and URLs."""
     token_file: str | None = None
     """File holding the local admin token."""
+    stack_id: str | None = None
+    """This stack's id (random, made by its first `up`): the mark on its PostgreSQL database, so
+    no other stack — nor this folder's next stack after `.evalbus` was removed — takes it for its own."""
 
     @property
     def nats_process(self) -> ProcessId | None:

@@ -198,6 +198,103 @@ async def ensure_database(admin_url: str, database: str) -> str:
     return with_database(admin_url, database)
 
 
+STACK_MARK = "evalbus stack "
+"""How a database names the stack whose event store it is: its comment (`COMMENT ON DATABASE`) is
+this, the stack's id and its state folder. A database must never serve a second stack: each stack
+has its own NATS, the recorder knows an event by its stream sequence (a new stream's first events
+would pass for recorded ones), and one gateway would compact, finalize and serve the other's
+batches against a stream that does not hold them."""
+
+
+class DatabaseTaken(Exception):
+    """The database named explicitly is the event store of another stack."""
+
+
+@dataclass(frozen=True)
+class ClaimedDatabase:
+    """The database `claim_database` settled on."""
+
+    url: str
+    """Its URL (on the server of the admin URL)."""
+    note: str | None = None
+    """What `evalbus up` says about the choice, when there was one to make."""
+
+
+async def claim_database(
+    admin_url: str, database: str, *, stack_id: str, state_dir: str, explicit: bool, remembered: bool
+) -> ClaimedDatabase:
+    """Create `database` unless it exists and mark it as the event store of stack `stack_id` (whose
+    state folder, absolute, is `state_dir`).
+
+    Used as it is: a database marked with this stack's id, a new or empty one, or an unmarked one
+    this stack used before (`remembered`: recorded by an older release). A database of another
+    stack — its mark, or events without a mark — is refused when named explicitly (`DatabaseTaken`)
+    and otherwise gives way to one of this stack's own, `<database>_<its id's first 8 digits>`.
+    Marking needs the database's owner or a superuser; without that right it is used unmarked."""
+    import asyncpg
+
+    conn = await asyncpg.connect(admin_url, timeout=10)
+    try:
+        comment = await conn.fetchval(
+            "SELECT shobj_description(oid, 'pg_database') FROM pg_database WHERE datname = $1", database
+        )
+        exists = comment is not None or bool(
+            await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", database)
+        )
+        taken = _taken_by(comment, stack_id)
+        unmarked = not (comment or "").startswith(STACK_MARK)
+        if (
+            taken is None
+            and exists
+            and unmarked
+            and not remembered
+            and await _holds_events(with_database(admin_url, database))
+        ):
+            taken = "a stack that left no mark (it holds events)"
+        note: str | None = None
+        if taken is not None:
+            if explicit:
+                raise DatabaseTaken(
+                    f"database {database} is the event store of {taken}; name another one (--database NAME) "
+                    "or drop that one first"
+                )
+            own = f"{database}_{stack_id[:8]}"
+            note = f"database {database} is the event store of {taken}: this stack uses {own}"
+            database = own
+        quoted = database.replace('"', '""')
+        if not await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", database):
+            with contextlib.suppress(asyncpg.DuplicateDatabaseError):  # created concurrently: as wanted
+                await conn.execute(f'CREATE DATABASE "{quoted}"')
+        mark = f"{STACK_MARK}{stack_id} {state_dir}".replace("'", "''")
+        with contextlib.suppress(asyncpg.InsufficientPrivilegeError):
+            await conn.execute(f"COMMENT ON DATABASE \"{quoted}\" IS '{mark}'")
+    finally:
+        await conn.close()
+    return ClaimedDatabase(url=with_database(admin_url, database), note=note)
+
+
+def _taken_by(comment: str | None, stack_id: str) -> str | None:
+    """Who the mark says the database belongs to, when not to `stack_id`."""
+    if not comment or not comment.startswith(STACK_MARK):
+        return None
+    owner_id, _, folder = comment.removeprefix(STACK_MARK).partition(" ")
+    if owner_id == stack_id:
+        return None
+    return f"the stack in {folder}" + ("" if Path(folder, "endpoints.json").exists() else " (since removed)")
+
+
+async def _holds_events(url: str) -> bool:
+    import asyncpg
+
+    conn = await asyncpg.connect(url, timeout=10)
+    try:
+        if await conn.fetchval("SELECT to_regclass('public.events')") is None:
+            return False
+        return bool(await conn.fetchval("SELECT EXISTS (SELECT 1 FROM events)"))
+    finally:
+        await conn.close()
+
+
 async def create_database(admin_url: str, prefix: str = "evalbus") -> str:
     """Create a fresh, uniquely named database on the server of `admin_url`; return its URL."""
     import asyncpg

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import asyncpg
 import msgspec
@@ -47,6 +48,8 @@ from evalbus.infra.lanes import render_accounts
 from evalbus.infra.nats import start_nats
 from evalbus.infra.ports import free_port, port_is_free
 from evalbus.infra.postgres import (
+    DatabaseTaken,
+    claim_database,
     embedded_log,
     embedded_postmaster,
     ensure_database,
@@ -77,11 +80,13 @@ Say = Callable[[str], None]
 class UpError(RuntimeError):
     """The stack could not be brought up; `component` names what failed."""
 
-    def __init__(self, component: str, message: str, log: Path | None = None) -> None:
+    def __init__(self, component: str, message: str, log: Path | None = None, *, started: bool = True) -> None:
         super().__init__(f"{component}: {message}")
         self.component = component
         self.message = message
         self.log = log
+        self.started = started
+        """Whether anything may have been started before it failed (False: refused up front)."""
 
 
 class UnhealthyError(RuntimeError):
@@ -106,8 +111,9 @@ class UpOptions:
     """Fixed NATS client port (None: the remembered one when free, else any free port)."""
     database_url: str | None = None
     """Server to use (`DATABASE_URL`); None starts the embedded server."""
-    database_name: str = "evalbus"
-    """Database created on that server when missing."""
+    database_name: str | None = None
+    """Database created on that server when missing (None: the one this stack used before, else
+    `evalbus`; a default that is another stack's event store gives way to one of this stack's own)."""
     timeout_s: float = 60.0
     """How long to wait for everything to become healthy."""
     secure: bool = False
@@ -244,6 +250,22 @@ def _alive(proc: ProcessId | None) -> bool:
     return proc is not None and is_alive(proc)
 
 
+DEFAULT_DATABASE = "evalbus"
+"""The database `up` creates on the server `DATABASE_URL` names (or the embedded one)."""
+
+
+def _database_name(previous: Endpoints, opts: UpOptions) -> tuple[str, bool]:
+    """The database to use on the `DATABASE_URL` server and whether this stack used it before."""
+    before = None
+    same_server = bool(previous.database and opts.database_url) and (
+        urlsplit(previous.database or "").netloc == urlsplit(opts.database_url or "").netloc
+    )
+    if previous.postgres == "external" and same_server:
+        before = urlsplit(previous.database or "").path.lstrip("/") or None
+    name = opts.database_name or before or DEFAULT_DATABASE
+    return name, name == before
+
+
 def _check_compatible(previous: Endpoints, opts: UpOptions, external_url: str | None) -> None:
     """Refuse to mix a running stack with a different NATS port or PostgreSQL."""
     running = [name for name, proc in previous.processes().items() if is_alive(proc)]
@@ -251,14 +273,26 @@ def _check_compatible(previous: Endpoints, opts: UpOptions, external_url: str | 
         return
     wanted = "external" if opts.database_url else "embedded"
     if previous.postgres is not None and previous.postgres != wanted:
-        raise UpError("postgres", f"the stack runs with {previous.postgres} PostgreSQL; run `evalbus down` first")
+        raise UpError(
+            "postgres", f"the stack runs with {previous.postgres} PostgreSQL; run `evalbus down` first", started=False
+        )
     if external_url is not None and previous.database not in (None, external_url):
-        raise UpError("postgres", "the stack runs with another database; run `evalbus down` first")
+        assert previous.database is not None
+        raise UpError(
+            "postgres",
+            f"the stack runs with database {urlsplit(previous.database).path.lstrip('/')}, not "
+            f"{urlsplit(external_url).path.lstrip('/')}: leave --database out, or run `evalbus down` first",
+            started=False,
+        )
     if _alive(previous.nats_process) and bool(previous.nats_users) != opts.secure:
         now, wanted = ("with", "without") if previous.nats_users else ("without", "with")
-        raise UpError("nats", f"nats-server runs {now} --secure; run `evalbus down` first to start it {wanted}")
+        raise UpError(
+            "nats", f"nats-server runs {now} --secure; run `evalbus down` first to start it {wanted}", started=False
+        )
     if opts.nats_port and _alive(previous.nats_process) and previous.nats and url_port(previous.nats) != opts.nats_port:
-        raise UpError("nats", f"nats-server runs on {previous.nats}; run `evalbus down` first to change the port")
+        raise UpError(
+            "nats", f"nats-server runs on {previous.nats}; run `evalbus down` first to change the port", started=False
+        )
 
 
 def ensure_nats_users(path: Path) -> dict[str, str]:
@@ -358,10 +392,26 @@ def _up_nats(layout: _Layout, previous: Endpoints, opts: UpOptions, result: UpRe
 
 def _up_postgres(layout: _Layout, current: Endpoints, opts: UpOptions, result: UpResult, say: Say) -> Endpoints:
     if opts.database_url:
+        assert current.stack_id is not None
+        name, used_before = _database_name(current, opts)
         try:
-            url = asyncio.run(ensure_database(opts.database_url, opts.database_name))
+            claimed = asyncio.run(
+                claim_database(
+                    opts.database_url,
+                    name,
+                    stack_id=current.stack_id,
+                    state_dir=str(layout.root),
+                    explicit=opts.database_name is not None and not used_before,
+                    remembered=used_before,
+                )
+            )
+        except DatabaseTaken as e:
+            raise UpError("postgres", str(e), started=bool(result.started)) from e
         except Exception as e:
             raise UpError("postgres", f"cannot use DATABASE_URL: {type(e).__name__}: {e}") from e
+        url = claimed.url
+        if claimed.note:
+            say(f"postgres   {claimed.note}")
         result.kept.append("postgres")
         say(f"postgres   using {redact_url(url)} (DATABASE_URL)")
         return replace(
@@ -391,9 +441,9 @@ def _up_postgres(layout: _Layout, current: Endpoints, opts: UpOptions, result: U
         say(f"postgres   started on 127.0.0.1:{port} (embedded, pid {pid})")
     admin = f"postgresql://postgres@127.0.0.1:{port}/postgres"
     try:
-        url = asyncio.run(ensure_database(admin, opts.database_name))
+        url = asyncio.run(ensure_database(admin, opts.database_name or DEFAULT_DATABASE))
     except Exception as e:
-        raise UpError("postgres", f"cannot create database {opts.database_name}: {e}", log) from e
+        raise UpError("postgres", f"cannot create database {opts.database_name or DEFAULT_DATABASE}: {e}", log) from e
     return replace(
         current, database=url, postgres="embedded", postgres_pid=pid, postgres_started=started, postgres_log=str(log)
     )
@@ -527,13 +577,16 @@ def bring_up(opts: UpOptions, say: Say = _quiet) -> UpResult:
     layout = _Layout(opts.state_dir.resolve())
     layout.root.mkdir(parents=True, exist_ok=True)
     previous = load_endpoints(layout.root) or Endpoints()
-    external = with_database(opts.database_url, opts.database_name) if opts.database_url else None
+    if previous.stack_id is None:
+        previous = replace(previous, stack_id=secrets.token_hex(8))
+    external = with_database(opts.database_url, _database_name(previous, opts)[0]) if opts.database_url else None
     _check_compatible(previous, opts, external)
     result = UpResult(endpoints=previous, health=StackHealth(components=()))
 
-    current = _up_nats(layout, previous, opts, result, say)
+    # PostgreSQL first: a database that is another stack's event store is refused before anything starts.
+    current = _up_postgres(layout, previous, opts, result, say)
     save_endpoints(layout.root, current)
-    current = _up_postgres(layout, current, opts, result, say)
+    current = _up_nats(layout, current, opts, result, say)
     save_endpoints(layout.root, current)
     assert current.database is not None
     try:
