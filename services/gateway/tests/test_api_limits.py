@@ -20,7 +20,7 @@ import msgspec
 import pytest
 
 from evalbus.infra.postgres import create_database, drop_database
-from evalbus_api.client import GatewayClient
+from evalbus_api.client import GatewayClient, SseEvent
 from evalbus_api.models import ErrorBody
 from evalbus_contracts import to_builtins
 from evalbus_gateway.api.limits import RunRate
@@ -195,7 +195,13 @@ async def test_the_client_waits_for_a_stream_slot_instead_of_failing(world: Worl
     ):
         opened = [await _open(held, http, events, ALICE) for _ in range(STREAMS)]
         client = GatewayClient(world.url(""), ALICE, session=traced)
-        first = asyncio.create_task(anext(aiter(client.events(batch.batch_id))))
+
+        async def first_event() -> SseEvent:
+            async for event in client.events(batch.batch_id):
+                return event
+            raise AssertionError("the stream ended without an event")
+
+        first = asyncio.create_task(first_event())
         await until(lambda: 429 in statuses or first.done(), "the client was refused a slot")
         assert not first.done(), first.result()  # it waits; it has not failed
         opened[0].close()  # a slot frees at the gateway's next heartbeat
