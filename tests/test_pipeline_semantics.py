@@ -46,6 +46,7 @@ from evalbus_contracts import (
     CostGrader,
     Event,
     ExactJudge,
+    HarnessSpec,
     JudgeSpec,
     Measured,
     RegisteredJudge,
@@ -320,6 +321,30 @@ async def test_config_failures_command_not_found_and_missing_secret(pipeline: Pi
     secret = (await pipeline.runs(batches["secret"]))["c1"].failure
     assert secret is not None
     assert (secret.stage, secret.code) == ("dispatch", "missing_secret")
+
+
+async def test_a_worker_that_never_starts_grades_nothing_and_fails_the_batch(pipeline: Pipeline) -> None:
+    """An import error in a worker harness is, like a command that cannot be spawned, a run that
+    never ran: no grader scores it (here one that would pass), and the batch fails for it."""
+    spec = BatchSpec(
+        suite=SuiteSpec(
+            id="worker-never-started",
+            cases=(CaseSpec(id="c1", input="x", graders=(CommandGrader(id="would-pass", command="true"),)),),
+        ),
+        harness=HarnessSpec(kind="worker", id="broken-worker", python="evalbus_no_such_module:solve"),
+        judges=(ExactJudge(id="exact"),),
+    )
+    batch_id = await pipeline.submit(spec)
+    view = await pipeline.finalized(batch_id)
+    assert view.status == "failed"
+    assert view.error is not None
+    assert view.error.code == "no_run_executed"
+    run = (await pipeline.runs(batch_id))["c1"]
+    assert run.failure is not None
+    assert (run.failure.code, run.failure.failure_class) == ("worker_start_failed", "harness")
+    assert "evalbus_no_such_module" in (run.failure.log_tail or "")
+    assert run.scores == ()
+    assert run.judged_status == "skipped"
 
 
 async def test_agent_failures_nonzero_exit_and_timeout(pipeline: Pipeline) -> None:

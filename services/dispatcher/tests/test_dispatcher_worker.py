@@ -253,7 +253,8 @@ async def test_a_worker_that_cannot_start_fails_its_case_as_its_fault(
     missing = HarnessSpec(kind="worker", id="w", python="no_such_module:solve", env={"PYTHONPATH": str(agent_dir)})
     absent = HarnessSpec(kind="worker", id="w", command=("/no/such/worker",))
     try:
-        not_loaded = await run(request("ws", "c1", missing), backend, live)
+        checked = (CommandGrader(id="file", command="true"),)  # would pass if it ran
+        not_loaded = await run(request("ws", "c1", missing, graders=checked), backend, live)
         not_found = await run(request("ws", "c2", absent), backend, live)
     finally:
         await backend.close()
@@ -262,6 +263,8 @@ async def test_a_worker_that_cannot_start_fails_its_case_as_its_fault(
         "harness", "worker_start_failed",
     )  # fmt: skip
     assert "no_such_module" in (not_loaded.result.failure.log_tail or "")
+    assert not_loaded.result.failure.never_ran()  # not graded, like a command that cannot spawn
+    assert not_loaded.result.scores == ()
     assert not_found.result.failure is not None
     assert (not_found.result.failure.failure_class, not_found.result.failure.code) == ("config", "spawn_failed")
 

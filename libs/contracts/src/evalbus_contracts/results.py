@@ -62,15 +62,20 @@ class CaseFailure(_Data, frozen=True, kw_only=True):
     def never_ran(self) -> bool:
         """Whether the harness never ran: the run failed before it (dispatch, install: no sandbox,
         an unschedulable case, a missing secret) or could not start it (`spawn_failed`: a missing
-        program, a spec error). Such a run says nothing of the agent: it is not graded, and a
-        batch none of whose runs ran fails (`no_run_executed`)."""
-        return self.stage in ("dispatch", "install") or self.code == "spawn_failed"
+        program, a spec error; `worker_start_failed`: a warm worker that exited before it was
+        ready, an import error, say). Such a run says nothing of the agent: it is not graded, and
+        a batch none of whose runs ran fails (`no_run_executed`)."""
+        return self.stage in ("dispatch", "install") or self.code in NEVER_STARTED_CODES
 
     def run_error(self) -> bool:
         """Whether the run failed for a reason that is not the agent's (the platform, the spec, the
         harness: `--fail-on-run-errors`), rather than the agent answering badly, timing out or
         exiting non-zero."""
         return self.failure_class in ("infra", "config", "harness")
+
+
+NEVER_STARTED_CODES = frozenset({"spawn_failed", "worker_start_failed"})
+"""Run failure codes of a harness that never got the case."""
 
 
 class TraceRef(_Data, frozen=True, kw_only=True):

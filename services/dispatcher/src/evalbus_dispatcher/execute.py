@@ -191,7 +191,10 @@ class _InSandbox:
 
     @property
     def harness_ran(self) -> bool:
-        return self.run is not None and self.run.spawn_error is None
+        run = self.run
+        return (
+            run is not None and run.spawn_error is None and not (run.failure is not None and run.failure.never_started)
+        )
 
 
 class _Execution:
@@ -326,6 +329,13 @@ class _Execution:
         held = _InSandbox(run=run, t_end=started_t + run.duration_s)
         if run.spawn_error is not None:
             held.failure = self._failure("run", "config", "spawn_failed", run.spawn_error)
+            return held
+        if run.failure is not None and run.failure.never_started:  # nothing of the agent ran: nothing to grade
+            failed, tail = run.failure, log_tail(run.stdout, run.stderr)
+            held.output_tail = tail
+            held.failure = self._failure(
+                "run", failed.failure_class, failed.code, failed.message, retryable=failed.retryable, log_tail=tail
+            )
             return held
         await self._mark(tee, "exited", exit_message(run, self._sample, timeout_s))
         output = parse_stdout(run.stdout)

@@ -39,6 +39,9 @@ class RunFailure:
     """Human-readable explanation (secrets already redacted)."""
     retryable: bool = False
     """Whether running the case again may succeed."""
+    never_started: bool = False
+    """The harness never got the case (a worker that exited before it was ready): the run says
+    nothing of the agent, so it is not graded, like a command that could not be spawned."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -541,6 +541,7 @@ class WorkerPool:
             code="worker_start_failed",
             failure_class="harness",
             message=f"the worker exited with {exit_code(code)} before it was ready for cases",
+            never_started=True,
         )
 
     def _ended(self, serving: _Serving, worker: _Worker, duration: float) -> HarnessRun:
