@@ -270,6 +270,58 @@ def test_terminal_display_redraws_the_bars_in_place() -> None:
     assert "exported   [##########....................]  1/3" in second
 
 
+def test_a_tick_draws_what_a_throttled_update_left_and_notes_a_stall_once() -> None:
+    """Events arriving inside the throttle window were dropped for good: a judge down left the bars
+    at 0 while every case executed. The follower's timer draws them, and says when nothing moves."""
+    script, progress = script_progress()
+    out, clock = io.StringIO(), Clock()
+    display = ProgressDisplay(out, tty=False, interval_s=2.0, stall_s=30.0, clock=clock)
+    progress.apply(script.requested())
+    display.update(progress)
+    for case in ("c1", "c2", "c3"):
+        progress.apply(script.case_requested(case))
+    clock.now += 0.5
+    display.update(progress)  # too soon: not drawn…
+    assert out.getvalue().count("\n") == 1
+    clock.now += 2.0
+    display.tick(progress)  # …until the timer comes by
+    assert out.getvalue().splitlines()[-1] == "[   2.5s] requested 3/3  executed 0/3  judged 0/3  exported 0/3"
+    clock.now += 27.0  # 29 s since the requests arrived
+    display.tick(progress)
+    assert "no stage has moved" not in out.getvalue()
+    clock.now += 2.0  # 31 s
+    display.tick(progress)
+    display.tick(progress)
+    assert out.getvalue().splitlines()[-1] == (
+        "no stage has moved for 30 s: `evalbus status` shows whether every service is up"
+    )
+    assert out.getvalue().count("no stage has moved") == 1
+    for event in script.case_events("c1"):
+        progress.apply(event)
+    clock.now += 3.0
+    display.tick(progress)  # moved again: drawn, and a later stall is noted anew
+    assert out.getvalue().splitlines()[-1].startswith("[  34.5s] requested 3/3  executed 1/3")
+    clock.now += 31.0
+    display.tick(progress)
+    assert out.getvalue().count("no stage has moved") == 2
+
+
+def test_a_terminal_notes_a_stall_under_its_bars() -> None:
+    script, progress = script_progress()
+    out, clock = io.StringIO(), Clock()
+    display = ProgressDisplay(out, tty=True, redraw_s=0.1, stall_s=30.0, clock=clock)
+    progress.apply(script.requested())
+    display.update(progress)
+    clock.now += 31.0
+    display.tick(progress)
+    last = out.getvalue().splitlines()[-1]
+    assert last == "\x1b[2Kno stage has moved for 30 s: `evalbus status` shows whether every service is up"
+    progress.apply(script.case_requested("c1"))
+    clock.now += 1.0
+    display.tick(progress)  # the next drawing replaces the note's line with a blank one
+    assert out.getvalue().splitlines()[-1] == "\x1b[2K"
+
+
 # ---------------------------------------------------------------- scorecard
 
 

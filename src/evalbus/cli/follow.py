@@ -9,6 +9,7 @@ model is finalized too, and falls back to the stream's `batch.finalized` when it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -54,13 +55,27 @@ class Outcome:
 
 
 async def watch(client: GatewayClient, progress: BatchProgress, display: ProgressDisplay | None) -> None:
-    """Fold the batch's event stream into `progress` (drawing it) until the stream's `end`."""
-    async for sse in client.events(progress.batch_id):
-        progress.apply_sse(sse)
-        if display is not None:
-            display.update(progress)
+    """Fold the batch's event stream into `progress` (drawing it) until the stream's `end`; a timer
+    draws what arrived between two events and notes a stall."""
+    ticker = asyncio.create_task(_tick(display, progress)) if display is not None else None
+    try:
+        async for sse in client.events(progress.batch_id):
+            progress.apply_sse(sse)
+            if display is not None:
+                display.update(progress)
+    finally:
+        if ticker is not None:
+            ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ticker
     if display is not None:
         display.finish(progress)
+
+
+async def _tick(display: ProgressDisplay, progress: BatchProgress) -> None:
+    while True:
+        await asyncio.sleep(display.tick_s)
+        display.tick(progress)
 
 
 async def settled_view(

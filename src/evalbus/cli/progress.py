@@ -4,7 +4,8 @@
 the scorecard wants from the stream (each case's expected answer, how the batch ended).
 `ProgressDisplay` draws it: on a terminal the bars are redrawn in place (at most every
 `redraw_s`); anywhere else a plain line is printed every `interval_s` while something changed, and
-once at the end, so a log stays readable.
+once at the end, so a log stays readable. `tick` (called on a timer by the follower) draws what a
+throttled update left undrawn, and says so when no stage has moved for `stall_s`.
 
     requested  [##############################]  30/30
     executed   [####################..........]  20/30
@@ -176,6 +177,12 @@ def plain_line(progress: BatchProgress, elapsed_s: float) -> str:
     return f"[{elapsed_s:6.1f}s] " + "  ".join(parts)
 
 
+STALL_S = 30.0
+"""How long no stage may move before the display says so."""
+STALL_NOTE = "no stage has moved for {seconds:g} s: `evalbus status` shows whether every service is up"
+"""What it says then (once, until something moves)."""
+
+
 class ProgressDisplay:
     """Draws a `BatchProgress` on `out`: in place on a terminal, as periodic lines elsewhere."""
 
@@ -186,17 +193,40 @@ class ProgressDisplay:
         tty: bool,
         interval_s: float = 2.0,
         redraw_s: float = 0.1,
+        stall_s: float = STALL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.out = out
         self.tty = tty
         self.interval_s = interval_s
         self.redraw_s = redraw_s
+        self.stall_s = stall_s
         self._clock = clock
         self._start = clock()
         self._drawn_at: float | None = None
         self._drawn_lines = 0
         self._last: tuple[int, ...] | None = None
+        self._seen: tuple[int, ...] | None = None
+        self._moved_at = self._start
+        self._stall_said = False
+
+    @property
+    def tick_s(self) -> float:
+        """How often the follower should call `tick`."""
+        return self.redraw_s if self.tty else self.interval_s
+
+    def tick(self, progress: BatchProgress) -> None:
+        """Draw what a throttled `update` left undrawn; note a stall once per stall."""
+        self.update(progress)
+        if self._stall_said or progress.end_status is not None or self._clock() - self._moved_at < self.stall_s:
+            return
+        self._stall_said = True
+        note = STALL_NOTE.format(seconds=self.stall_s)
+        if self.tty:
+            self._redraw(progress, note)
+        else:
+            self.out.write(note + "\n")
+        self.out.flush()
 
     def _state(self, progress: BatchProgress) -> tuple[int, ...]:
         return (progress.total or -1, *(progress.count(s) for s in progress.stages()))
@@ -205,6 +235,8 @@ class ProgressDisplay:
         """Draw if it is time (and, for plain lines, something changed)."""
         now = self._clock()
         state = self._state(progress)
+        if state != self._seen:
+            self._seen, self._moved_at, self._stall_said = state, now, False
         if not force:
             if state == self._last:
                 return
@@ -224,8 +256,8 @@ class ProgressDisplay:
         if self._state(progress) != self._last:
             self.update(progress, force=True)
 
-    def _redraw(self, progress: BatchProgress) -> None:
-        lines = stage_lines(progress)
+    def _redraw(self, progress: BatchProgress, note: str | None = None) -> None:
+        lines = stage_lines(progress) + ([note] if note else [])
         if self._drawn_lines:
             self.out.write(f"\x1b[{self._drawn_lines}F")  # to the start of the first bar
         for line in lines:
