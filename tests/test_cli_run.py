@@ -219,6 +219,33 @@ async def test_run_no_wait_only_submits(stack: ServiceStack, tmp_path: Path) -> 
         assert await asyncio.wait_for(end_status(), 120) == "succeeded"
 
 
+async def test_cancel_stops_a_batch_and_refuses_a_finished_or_unknown_one(stack: ServiceStack, tmp_path: Path) -> None:
+    folder = tmp_path / "suite"
+    go = tmp_path / "go"
+    suite = small_suite(folder, cases=("math-01", "math-02"), command=["python3", "gated_agent.py"], timeout_s=90)
+    (folder / "gated_agent.py").write_text(
+        f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.05)\nprint('done')\n"
+    )
+    submitted = await evalbus(stack, "run", str(suite), "--json", "--no-wait", cwd=tmp_path, timeout_s=60)
+    assert submitted.returncode == 0, submitted.stderr
+    batch_id = json.loads(submitted.stdout)["batch_id"]
+    cancelled = await evalbus(stack, "cancel", batch_id, cwd=tmp_path)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert f"batch {batch_id} cancelling (cancelled)" in cancelled.stdout
+    go.touch()  # what was in flight settles
+    waited = await evalbus(stack, "cancel", batch_id, "--wait", "--json", cwd=tmp_path)  # may race the end
+    if waited.returncode == 0:
+        assert json.loads(waited.stdout.splitlines()[-1])["status"] == "cancelled"
+    else:
+        assert "409 conflict" in waited.stderr
+    again = await evalbus(stack, "cancel", batch_id, cwd=tmp_path)
+    assert again.returncode == 1
+    assert "409 conflict at batch_id" in again.stderr
+    unknown = await evalbus(stack, "cancel", "bnosuchbatch0", cwd=tmp_path)
+    assert unknown.returncode == 1
+    assert "404 not_found" in unknown.stderr
+
+
 async def test_run_against_no_gateway_exits_1(tmp_path: Path) -> None:
     suite = small_suite(tmp_path / "suite", cases=("math-01",))
     command = [

@@ -144,6 +144,10 @@ def test_judges_from_inline_json_a_file_or_a_suite(tmp_path: Path) -> None:
     assert info.value.problems[0][0] == "$.judges[0].kind"
     with pytest.raises(SpecFileError):
         load_judges('{"kind": "contains", "id": "c"}')
+    for missing in ("nofile.yaml", str(tmp_path / "gone" / "judges")):  # a path, not YAML text
+        with pytest.raises(SpecFileError) as info:
+            load_judges(missing)
+        assert (info.value.source, info.value.problems) == (missing, [("$", "no such file")])
 
 
 # ---------------------------------------------------------------- progress
