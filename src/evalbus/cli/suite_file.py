@@ -263,7 +263,12 @@ def load_judges(value: str) -> tuple[JudgeSpec, ...]:
     source = "--judges"
     text = value
     looks_like_a_path = candidate.suffix.lower() in (".yaml", ".yml", ".json") or "/" in value
-    if "\n" not in value and not value.lstrip().startswith(("[", "{")) and looks_like_a_path and not candidate.is_file():
+    if (
+        "\n" not in value
+        and not value.lstrip().startswith(("[", "{"))
+        and looks_like_a_path
+        and not candidate.is_file()
+    ):
         raise SpecFileError(value, [("$", "no such file")])
     if "\n" not in value and candidate.is_file():
         source = str(candidate)
