@@ -230,9 +230,10 @@ def test_selection_order_is_sample_then_shuffle_then_limit() -> None:
 
 
 def test_rows_that_are_not_json_objects_are_named_by_line(tmp_path: Path) -> None:
-    (tmp_path / "cases.jsonl").write_text('{"input": "ok"}\n\nnot json\n[1, 2]\n{"input": "ok too"}\n')
+    (tmp_path / "cases.jsonl").write_text('{"input": "ok"}\n\nnot json\n[1, 2]\n{"input": "ok too"}\n{"input": 5}\n')
     problems = problems_of(suite_file(tmp_path, "  id: bad\n  dataset: {path: cases.jsonl}"))
-    assert [f for f, _ in problems] == ["cases.jsonl line 3", "cases.jsonl line 4"]
+    # the rows that could be read are checked too: every problem at once, in line order
+    assert [f for f, _ in problems] == ["cases.jsonl line 3", "cases.jsonl line 4", "cases.jsonl line 6, field input"]
     assert "not valid JSON" in problems[0][1]
     assert problems[1][1] == "expected a JSON object, got list"
 
@@ -276,7 +277,12 @@ def test_a_column_no_row_has_is_named_once_with_the_nearest_column(tmp_path: Pat
 def test_csv_and_json_problems_name_their_line_or_element(tmp_path: Path) -> None:
     (tmp_path / "cases.csv").write_text('id,input,timeout_s\n1,x,soon\n2,"multi\nline",1,extra\n3,y,1\n')
     assert problems_of(suite_file(tmp_path, "  id: c\n  dataset: {path: cases.csv}")) == [
+        ("cases.csv line 2, field timeout_s", "expected a number of seconds, got 'soon'"),  # all at once
         ("cases.csv line 3", "more values than the 3 header columns"),
+    ]
+    (tmp_path / "cases.csv").write_text('id,input\n1,x\n2,"What is 3 + 5?\n')
+    assert problems_of(suite_file(tmp_path, "  id: c\n  dataset: {path: cases.csv}")) == [
+        ("cases.csv line 3", "a quoted cell that starts on this line is never closed"),
     ]
     (tmp_path / "cases.csv").write_text("id,input,timeout_s\n1,x,soon\n")
     assert problems_of(suite_file(tmp_path, "  id: c\n  dataset: {path: cases.csv}")) == [
@@ -284,7 +290,10 @@ def test_csv_and_json_problems_name_their_line_or_element(tmp_path: Path) -> Non
     ]
     (tmp_path / "cases.json").write_text('[{"input": "x"}, "y", {"input": 1}]')
     problems = problems_of(suite_file(tmp_path, "  id: j\n  dataset: {path: cases.json}"))
-    assert problems == [("cases.json [1]", "expected a JSON object, got str")]
+    assert problems == [
+        ("cases.json [1]", "expected a JSON object, got str"),
+        ("cases.json [2], field input", "an input must be a string or a JSON object, got int"),
+    ]
     (tmp_path / "cases.json").write_text('[{"input": "x"},\n {"input": }]')
     [(field, message)] = problems_of(suite_file(tmp_path, "  id: j\n  dataset: {path: cases.json}"))
     assert field == "cases.json"
@@ -311,6 +320,22 @@ def test_rules_broken_by_dataset_cases_point_at_their_row_and_suite_graders_once
         ("cases.jsonl line 1, field id", "duplicate case id 'a'"),
         ("cases.jsonl line 1, field timeout_s", "must be greater than 0"),
         ("cases.jsonl line 2, field graders[0].id", "duplicate grader id 'n' in case 'b'"),
+    ]
+
+
+def test_rows_that_cannot_be_read_do_not_hide_the_rules_the_others_break(tmp_path: Path) -> None:
+    (tmp_path / "cases.jsonl").write_text(
+        '{"id": "a", "input": "x", "timeout_s": -1}\nnot json\n'
+        '{"id": "c", "input": "y", "graders": [{"kind": "command", "id": "g", "comand": "true"}]}\n'
+    )
+    assert problems_of(suite_file(tmp_path, "  id: rules\n  dataset: {path: cases.jsonl}")) == [
+        ("cases.jsonl line 2", "not valid JSON: JSON is malformed: invalid character (byte 4)"),
+        ("cases.jsonl line 3, field graders[0].comand", "unknown field; did you mean `command`?"),
+        ("cases.jsonl line 1, field timeout_s", "must be greater than 0"),  # a rule, checked on the readable rows
+    ]
+    (tmp_path / "cases.jsonl").write_text("not json\n")  # no readable row: no rule about having none
+    assert [f for f, _ in problems_of(suite_file(tmp_path, "  id: rules\n  dataset: {path: cases.jsonl}"))] == [
+        "cases.jsonl line 1"
     ]
 
 

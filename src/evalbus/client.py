@@ -191,8 +191,8 @@ def load(suite: str | Path | Mapping[str, Any] | BatchSpec) -> BatchSpec:
     data = dict(suite)
     _inputs_as_text(data)
     file = convert_as(data, SuiteFile, source)
-    spec, _ = expand(file, folder, source)
-    problems = list(dict.fromkeys((p.field, p.message) for p in batch_spec_problems(spec)))
+    spec, _, unread = expand(file, folder, source)
+    problems = list(dict.fromkeys(unread + [(p.field, p.message) for p in batch_spec_problems(spec)]))
     if problems:
         raise SpecFileError(source, problems)
     return resolve_command(spec, folder)

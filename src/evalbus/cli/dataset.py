@@ -13,6 +13,7 @@ import csv
 import io
 import json
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -131,10 +132,13 @@ class DatasetCase:
 class DatasetError(Exception):
     """A dataset that cannot be read into cases: every problem found, by location."""
 
-    def __init__(self, problems: list[tuple[str, str]]) -> None:
+    def __init__(self, problems: list[tuple[str, str]], readable: list[DatasetCase] | None = None) -> None:
         super().__init__("; ".join(f"{at}: {message}" for at, message in problems))
         self.problems = problems
         """`(location, message)` pairs, in file order."""
+        self.readable = readable or []
+        """The cases of the rows that had no problem (before any selection), so the suite's rules
+        can be checked on them too and every problem reported at once."""
 
 
 def load_dataset(spec: DatasetSpec, folder: Path, at: str = "$.suite.dataset") -> list[DatasetCase]:
@@ -149,9 +153,22 @@ def load_dataset(spec: DatasetSpec, folder: Path, at: str = "$.suite.dataset") -
         )
     if not path.is_file():
         raise DatasetError([(f"{at}.path", f"no such file: {path}")])
-    rows = _read_rows(path, fmt, spec.path, at)
-    cases = _cases(rows, spec, at)
+    rows, problems = _read_rows(path, fmt, spec.path, at)
+    cases: list[DatasetCase] = []
+    try:  # the rows that could be read are checked too: every problem of the file at once
+        cases = _cases(rows, spec, at) if rows or not problems else []
+    except DatasetError as e:
+        problems, cases = problems + e.problems, e.readable
+    if problems:
+        raise DatasetError(sorted(problems, key=_line_order), cases)
     return select(cases, spec)
+
+
+def _line_order(problem: tuple[str, str]) -> int:
+    """Problems of a file in the order of its lines (`… line 12…`, `… [3]…`, `… row 4…`); those of
+    the spec itself first, in their own order (the sort is stable)."""
+    found = re.search(r"(?: line | \[| row )(\d+)", problem[0])
+    return int(found.group(1)) if found else -1
 
 
 def select(cases: list[T], spec: DatasetSpec) -> list[T]:
@@ -171,9 +188,13 @@ def select(cases: list[T], spec: DatasetSpec) -> list[T]:
 # ---------------------------------------------------------------- reading rows
 
 
-def _read_rows(path: Path, fmt: DatasetFormat, name: str, at: str) -> list[Row]:
+_Read = tuple[list[Row], list[tuple[str, str]]]
+"""The rows that could be read, and the problems of those that could not."""
+
+
+def _read_rows(path: Path, fmt: DatasetFormat, name: str, at: str) -> _Read:
     if fmt == "parquet":
-        return _parquet_rows(path, name, at)
+        return _parquet_rows(path, name, at), []
     try:
         raw = path.read_bytes()
     except OSError as e:
@@ -185,7 +206,7 @@ def _read_rows(path: Path, fmt: DatasetFormat, name: str, at: str) -> list[Row]:
     return _csv_rows(raw, name)
 
 
-def _jsonl_rows(raw: bytes, name: str) -> list[Row]:
+def _jsonl_rows(raw: bytes, name: str) -> _Read:
     problems: list[tuple[str, str]] = []
     rows: list[Row] = []
     decoder = msgspec.json.Decoder()
@@ -204,12 +225,10 @@ def _jsonl_rows(raw: bytes, name: str) -> list[Row]:
             problems.append((where, f"expected a JSON object, got {_kind(value)}"))
             continue
         rows.append(Row(where, number, value))
-    if problems:
-        raise DatasetError(problems)
-    return rows
+    return rows, problems
 
 
-def _json_rows(raw: bytes, name: str) -> list[Row]:
+def _json_rows(raw: bytes, name: str) -> _Read:
     try:
         doc = msgspec.json.decode(raw)
     except msgspec.DecodeError:
@@ -226,17 +245,17 @@ def _json_rows(raw: bytes, name: str) -> list[Row]:
         for i, v in enumerate(doc)
         if not isinstance(v, dict)
     ]
-    if problems:
-        raise DatasetError(problems)
-    return [Row(f"{name} [{i}]", i + 1, value) for i, value in enumerate(doc)]
+    return [Row(f"{name} [{i}]", i + 1, value) for i, value in enumerate(doc) if isinstance(value, dict)], problems
 
 
-def _csv_rows(raw: bytes, name: str) -> list[Row]:
+def _csv_rows(raw: bytes, name: str) -> _Read:
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise DatasetError([(name, f"not UTF-8 text: {e}")]) from None
-    reader = csv.DictReader(io.StringIO(text, newline=""))  # the csv module splits lines itself
+    # The csv module splits lines itself; strict: a quote never closed is an error, not a cell
+    # running to the end of the file.
+    reader = csv.DictReader(io.StringIO(text, newline=""), strict=True)
     if not reader.fieldnames:
         raise DatasetError([(name, "no header row: the first line names the columns")])
     rows: list[Row] = []
@@ -252,10 +271,11 @@ def _csv_rows(raw: bytes, name: str) -> list[Row]:
             values = {k: v for k, v in record.items() if v is not None and v != ""}
             rows.append(Row(where, number, values, text_cells=True))
     except csv.Error as e:
-        problems.append((f"{name} line {reader.line_num}", f"not valid CSV: {e}"))
-    if problems:
-        raise DatasetError(problems)
-    return rows
+        if "unexpected end of data" in str(e):
+            problems.append((f"{name} line {start}", "a quoted cell that starts on this line is never closed"))
+        else:
+            problems.append((f"{name} line {reader.line_num}", f"not valid CSV: {e}"))
+    return rows, problems
 
 
 def _parquet_rows(path: Path, name: str, at: str) -> list[Row]:
@@ -303,7 +323,7 @@ def _cases(rows: list[Row], spec: DatasetSpec, at: str) -> list[DatasetCase]:
         except DatasetError as e:
             problems.extend(e.problems)
     if problems:
-        raise DatasetError(problems)
+        raise DatasetError(problems, cases)
     return cases
 
 

@@ -179,9 +179,12 @@ def load_suite(path: Path) -> BatchSpec:
     _inputs_as_text(data)
     folder = path.resolve().parent
     file = convert_as(data, SuiteFile, source)
-    spec, origins = expand(file, folder, source)
+    spec, origins, unread = expand(file, folder, source)
     shared = len(file.suite.graders)
-    problems = list(dict.fromkeys((locate(p.field, origins, shared), p.message) for p in batch_spec_problems(spec)))
+    rules = [(locate(p.field, origins, shared), p.message) for p in batch_spec_problems(spec)]
+    if unread:  # a dataset with unreadable rows: its readable ones were checked against the rules too
+        rules = [r for r in rules if r[0] != "$.suite.cases"]  # "needs at least one case": its rows are the problem
+    problems = list(dict.fromkeys(unread + rules))
     if problems:
         raise SpecFileError(source, problems)
     return resolve_command(spec, folder)
@@ -205,17 +208,19 @@ class CaseOrigin:
         return f"{self.case_at}, field {self.columns.get(name, name)}"
 
 
-def expand(file: SuiteFile, folder: Path, source: str) -> tuple[BatchSpec, list[CaseOrigin]]:
+def expand(file: SuiteFile, folder: Path, source: str) -> tuple[BatchSpec, list[CaseOrigin], list[tuple[str, str]]]:
     """The batch spec a suite file means — its inline cases, then its dataset's, each with the
-    suite's graders first — and where each case was written."""
+    suite's graders first — where each case was written, and the dataset's problems (its rows
+    with problems are left out of the spec, so the others can be checked too)."""
     suite = file.suite
     cases = list(suite.cases)
+    unread: list[tuple[str, str]] = []
     origins = [CaseOrigin(f"$.suite.cases[{i}]", None, f"$.suite.cases[{i}].graders") for i in range(len(cases))]
     if suite.dataset is not None:
         try:
             loaded: list[DatasetCase] = load_dataset(suite.dataset, folder)
         except DatasetError as e:
-            raise SpecFileError(source, e.problems) from None
+            unread, loaded = e.problems, e.readable
         cases.extend(d.case for d in loaded)
         origins.extend(CaseOrigin(d.where, d.columns, d.graders_at) for d in loaded)
     if suite.graders:
@@ -223,7 +228,7 @@ def expand(file: SuiteFile, folder: Path, source: str) -> tuple[BatchSpec, list[
     plain = {name: getattr(suite, name) for name in SuiteSpec.__struct_fields__}
     batch = {name: getattr(file, name) for name in BatchSpec.__struct_fields__}
     batch["suite"] = SuiteSpec(**{**plain, "cases": tuple(cases)})
-    return BatchSpec(**batch), origins
+    return BatchSpec(**batch), origins, unread
 
 
 _CASE_FIELD = re.compile(r"^\$\.suite\.cases\[(?P<index>\d+)\]\.(?P<name>\w+)(?P<rest>.*)$")
