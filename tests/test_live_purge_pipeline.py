@@ -84,12 +84,17 @@ async def test_a_settled_runs_output_leaves_the_stream_and_its_log_comes_from_th
 
     await eventually(quick_recorded, timeout_s=30, what="the quick run recorded as executed")
 
+    async def slow_output_live() -> bool:  # its ready file comes before the dispatcher's next flush
+        return await on_stream(pipeline, slow_run, "log") and await on_stream(pipeline, slow_run, "infra")
+
+    await eventually(slow_output_live, timeout_s=30, what="the running slow run's log and marks on LIVE")
+
     async def quick_purged() -> bool:
         held = [await on_stream(pipeline, quick, channel) for channel in ("log", "trace", "infra", "placement")]
         return not any(held)
 
     await eventually(quick_purged, timeout_s=30, what="the quick run's output purged from LIVE")
-    # the running run keeps its output, marks and all
+    # the running run keeps its output, marks and all (they were there before the purge)
     assert await on_stream(pipeline, slow_run, "log")
     assert await on_stream(pipeline, slow_run, "infra")
     running = await pipeline.gw.logs(slow_run)

@@ -115,8 +115,9 @@ async def ensure_stream(js: JetStreamContext, stream: StreamDef, replicas: int =
         await js.update_stream(config)
 
 
-SETTLE_S = 10.0
-"""How long a stream that exists may still be reported "not found" (see `existing_stream`)."""
+SETTLE_S = 30.0
+"""How long a stream that exists may still be reported "not found" (see `existing_stream`): 10 s
+was once too short for a fresh 3-node cluster's placement on a loaded two-core machine."""
 
 
 async def existing_stream(js: JetStreamContext, name: str, *, settle_s: float = SETTLE_S) -> jsapi.StreamInfo:
