@@ -27,6 +27,7 @@ from evalbus_contracts import (
     to_builtins,
 )
 from evalbus_gateway.store import get_batch, get_run
+from evalbus_gateway.store.recorder import record
 from evalbus_gateway.testing import BatchScript, RunningGateway, batch_spec, member, running_gateway
 from evalbus_runtime import Publisher
 
@@ -188,6 +189,57 @@ async def test_supersede_cancels_open_batches_with_the_same_key(
     ) as resp:
         fourth_body = await resp.json()
     assert sorted(fourth_body["superseded"]) == sorted([second, third])
+
+
+async def test_supersede_sees_a_batch_submitted_a_moment_before_its_recording(
+    gw_nats: str, database_url: str, http: aiohttp.ClientSession, bus: tuple[NatsClient, Publisher]
+) -> None:
+    """A CI job pushing twice: the first batch is not in the read model yet (here the recorder is
+    held, so it never is) and still the second supersedes it; two submissions racing end with the
+    later one on the stream alive and every earlier one cancelled once."""
+    nc, _ = bus
+    js = nc.jetstream()
+    hold = asyncio.Event()
+
+    async def held(db: Any, messages: Any) -> Any:
+        await hold.wait()  # nothing is recorded until the test is done with this gateway
+        return await record(db, messages)
+
+    async def seq_of(batch_id: str) -> int:
+        seq = (await js.get_last_msg("CASES", f"batch.requested.{batch_id}")).seq
+        assert seq is not None
+        return seq
+
+    async def cancelled_by(batch_id: str) -> str | None:
+        event = await last_on_stream(nc, f"batch.cancelled.{batch_id}")
+        assert event is None or isinstance(event, BatchCancelled)
+        return None if event is None else event.superseded_by
+
+    async with running_gateway(gw_nats, database_url, tokens={ALICE: member("alice")}, record_with=held) as gw:
+        try:
+            key = f"ci-{uuid.uuid4().hex[:6]}"
+            first = await submit(http, gw, ALICE, spec_json(supersede_key=key))
+            async with http.post(
+                f"{gw.base_url}/v1/batches", json=spec_json(supersede_key=key), headers=auth(ALICE)
+            ) as r:
+                body = await r.json()
+            second = body["batch_id"]
+            assert body["superseded"] == [first]
+            assert await cancelled_by(first) == second
+            assert await get_batch(gw.state.pool, first) is None  # it was never in the read model
+
+            racing = await asyncio.gather(*(submit(http, gw, ALICE, spec_json(supersede_key=key)) for _ in range(4)))
+            batches = [second, *racing]
+            seqs = {b: await seq_of(b) for b in batches}
+            latest = max(batches, key=seqs.__getitem__)
+            verdicts = {b: await cancelled_by(b) for b in batches}
+            assert verdicts[latest] is None, verdicts  # the last on the stream runs
+            assert all(verdicts[b] is not None for b in batches if b != latest), verdicts  # every other is cancelled
+            for b in batches:
+                cancels = await js.stream_info("CASES", subjects_filter=f"batch.cancelled.{b}")
+                assert sum((cancels.state.subjects or {}).values()) == (0 if b == latest else 1), b
+        finally:
+            hold.set()  # the gateway stops once its held write is let go
 
 
 # ---------------------------------------------------------------- cancel

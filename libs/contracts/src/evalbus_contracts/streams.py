@@ -201,7 +201,14 @@ TERMINAL_TICKETS = KvDef(bucket="terminal-tickets", ttl_s=120.0, max_value_size=
 """Single-use terminal tickets (key: the SHA-256 of the ticket, never the ticket), valid 30 s;
 consuming one is an atomic delete at its revision, so a ticket works once on any gateway replica."""
 
-BUCKETS: tuple[KvDef, ...] = (DISPATCHERS, TERMINAL_TICKETS)
+SUPERSEDE_KEYS = KvDef(bucket="supersede-keys", ttl_s=3600.0, max_value_size=1024)
+"""The latest batch submitted with each supersede key (key: the SHA-256 of the submitter and the
+supersede key), written with compare-and-set by the gateway that accepted it. Two submissions a few
+milliseconds apart find each other here before either is recorded in the read model, so the later
+one always supersedes the earlier, whichever gateway replica took each. An hour is far longer than
+the recorder ever lags; after it the read model answers."""
+
+BUCKETS: tuple[KvDef, ...] = (DISPATCHERS, TERMINAL_TICKETS, SUPERSEDE_KEYS)
 
 DATASETS = ObjectBucketDef(bucket="datasets", description="evalbus: uploaded datasets (JSONL of cases)")
 """Datasets uploaded through `POST /v1/datasets`; a `batch.requested` names one by `ObjectRef`. No

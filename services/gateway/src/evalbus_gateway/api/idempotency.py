@@ -134,6 +134,8 @@ class Claim:
     """The batch's `batch.requested` (this request's own when `published`)."""
     published: bool
     """This request stored the batch's `batch.requested`; False for a retry."""
+    seq: int | None = None
+    """Where it stored it on the CASES stream (when `published`)."""
 
 
 async def claim_batch(state: GatewayState, event: BatchRequested) -> Claim:
@@ -145,7 +147,7 @@ async def claim_batch(state: GatewayState, event: BatchRequested) -> Claim:
     if found is None:
         ack = await state.publisher.publish_event(event)
         if not ack.duplicate:
-            return Claim(original=event, published=True)
+            return Claim(original=event, published=True, seq=ack.seq)
         found = await original_request(state, batch_id)
         if found is None:
             raise ApiError(

@@ -31,6 +31,7 @@ from evalbus_api.models import (
 )
 from evalbus_api.views import BatchView, RunView, Stage, Trajectory
 from evalbus_contracts import BatchCancelled, BatchRequested, BatchSpec, encode, suite_case_count
+from evalbus_contracts.streams import SUPERSEDE_KEYS
 from evalbus_gateway.api.access import LiveRun, visible_batch, visible_run
 from evalbus_gateway.api.actions import ROUTES as ACTION_ROUTES
 from evalbus_gateway.api.auth import Principal, authenticate, require_admin
@@ -58,6 +59,7 @@ from evalbus_gateway.api.placement import placement_of, with_lanes_waiting
 from evalbus_gateway.api.reads import finalized_on_stream, list_batches
 from evalbus_gateway.api.rejudge import ROUTE as REJUDGE_ROUTE
 from evalbus_gateway.api.sse import stream_batch_events
+from evalbus_gateway.api.supersede import bucket_key, claim_latest
 from evalbus_gateway.api.table import Body, Call, Link, Param, Route
 from evalbus_gateway.api.validation import (
     check_batch_spec,
@@ -114,9 +116,12 @@ def links(batch_id: str) -> BatchLinks:
     return BatchLinks(self_=base, cases=f"{base}/cases", events=f"{base}/events", cancel=f"{base}/cancel")
 
 
-async def _supersede(call: Call, spec: BatchSpec, new_id: str) -> tuple[str, ...]:
+async def _supersede(call: Call, spec: BatchSpec, new_id: str, seq: int | None) -> tuple[str, ...]:
     """Cancel, as superseded by `new_id`, every open batch with the spec's supersede key that the
-    caller may cancel (an admin: all of them; a member: its own)."""
+    caller may cancel (an admin: all of them; a member: its own): those of the read model, and the
+    caller's latest of the key too recent to be recorded yet (`api.supersede`; only a fresh
+    submission, published at `seq`, takes part in that). When a later submission got there first,
+    `new_id` itself is cancelled as superseded by it (and is not in the answer)."""
     if spec.supersede_key is None:
         return ()
     state = call.state
@@ -129,6 +134,19 @@ async def _supersede(call: Call, spec: BatchSpec, new_id: str) -> tuple[str, ...
                 continue
         chosen.append(batch_id)
     events = [BatchCancelled(batch_id=old, reason="superseded", by=new_id, superseded_by=new_id) for old in chosen]
+    if seq is not None:
+        kv = await state.js.key_value(SUPERSEDE_KEYS.bucket)
+        displaced = await claim_latest(kv, bucket_key(call.user.name, spec.supersede_key), new_id, seq)
+        if displaced is not None and displaced.old not in chosen:
+            view = await get_batch(state.pool, displaced.old)
+            if view is None or view.finalized_at is None:  # not recorded yet, or still open
+                events.append(
+                    BatchCancelled(
+                        batch_id=displaced.old, reason="superseded", by=displaced.new, superseded_by=displaced.new
+                    )
+                )
+                if displaced.old != new_id:
+                    chosen.append(displaced.old)
     await state.publisher.publish_events(events)
     return tuple(chosen)
 
@@ -157,14 +175,15 @@ async def submit_batch(call: Call) -> web.StreamResponse:
             "$.suite.cases",
         )
     if key is None:
-        await state.publisher.publish_event(event)
+        seq: int | None = (await state.publisher.publish_event(event)).seq
         published = True
     else:
-        published = (await claim_batch(state, event)).published
+        claim = await claim_batch(state, event)
+        published, seq = claim.published, claim.seq
     if published:
         log.info("batch %s requested by %s (%d cases)", batch_id, call.user.name, suite_case_count(spec.suite))
     # A retry supersedes again too: its first attempt may have stopped between publishing and that.
-    superseded = await _supersede(call, spec, batch_id)
+    superseded = await _supersede(call, spec, batch_id, seq)
     body = BatchAccepted(batch_id=batch_id, links=links(batch_id), superseded=superseded)
     return json_response(body, status=202, headers={"Location": body.links.self_})
 
