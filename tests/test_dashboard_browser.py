@@ -254,6 +254,7 @@ async def test_a_cookie_session_cannot_write_without_the_csrf_header(pipeline: P
         async with http.post(f"{p.stack.gateway_url}/ui/login", json={"token": p.stack.admin_token}) as resp:
             assert resp.status == 200
             cookie = resp.cookies["evalbus_session"]
+            assert p.stack.admin_token not in cookie.value  # a signed session, not the token
             assert cookie["httponly"]
             assert cookie["samesite"] == "Strict"
         async with http.get(f"{p.stack.gateway_url}/v1/me") as resp:

@@ -128,6 +128,32 @@ def test_tokens_file(tmp_path: Path) -> None:
         assert secret not in str(info.value)
 
 
+def test_a_dashboard_session_is_signed_expires_and_never_holds_the_token() -> None:
+    alice, bob = "t-alice-long-secret", "t-bob-long-secret"
+    table = TokenTable({alice: Principal("alice", "member"), bob: Principal("bob", "member")})
+    now = 1_000_000.0
+    session = table.session_for(alice, now, 3600)
+    assert session is not None
+    assert alice not in session
+    assert table.session_principal(session, now + 3599) == Principal("alice", "member")
+    assert table.session_principal(session, now + 3600) is None  # expired, whatever the browser keeps
+    assert table.session_for("t-nobody", now, 3600) is None
+    version, token_id, expiry, mac = session.split(".")
+    forged = [
+        f"{version}.{token_id}.{int(expiry) + 86400}.{mac}",  # a longer life
+        f"{version}.{token_id}.{expiry}.{mac[:-1]}0",  # another mac
+        ".".join([version, *session.split(".")[1:3], table.session_for(bob, now, 3600).split(".")[3]]),  # type: ignore[union-attr]
+        alice,  # the raw token, as the cookie used to hold it
+        "v0." + session[3:],
+        "",
+        "v1...",
+    ]
+    for cookie in forged:
+        assert table.session_principal(cookie, now) is None, cookie
+    # Dropping the token from the tokens file ends its sessions.
+    assert TokenTable({bob: Principal("bob", "member")}).session_principal(session, now) is None
+
+
 def test_openapi_covers_every_route_of_the_table() -> None:
     doc = build_openapi(ROUTES)
     for route in ROUTES:

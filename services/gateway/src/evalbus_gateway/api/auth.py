@@ -9,7 +9,10 @@ the batch's creator).
 
 The web dashboard logs in by exchanging a token for an HttpOnly, SameSite=Strict session cookie
 (`SESSION_COOKIE`, `POST /ui/login`), so a token never goes into a URL and page scripts never see
-it; the cookie authenticates the API like the header does. A write authenticated by the cookie must
+it; the cookie authenticates the API like the header does. The cookie is a signed session that
+ends after 12 hours (checked by the gateway, not only the browser) and never holds the token
+(`TokenTable.session_for`); logging out clears it in the browser, and dropping a token from the
+tokens file ends its sessions. A write authenticated by the cookie must
 also carry `X-Evalbus-Csrf: 1` — a header another site's page cannot add without a CORS preflight
 the gateway never grants — so a cross-site form cannot act with a reader's session. Tokens are kept as SHA-256 digests and compared by digest, so a lookup
 takes the same time whichever token is presented, and the table never holds a plain token.
@@ -18,6 +21,8 @@ takes the same time whichever token is presented, and the table never holds a pl
 from __future__ import annotations
 
 import hashlib
+import hmac
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +65,19 @@ class TokenEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """`admin` or `member`."""
 
 
+SESSION_VERSION = "v1"
+"""The format of a dashboard session (`TokenTable.session_for`)."""
+
+
+def _token_id(token: str) -> str:
+    """A name for a token that gives nothing of it away (a digest, apart from `_digest`'s)."""
+    return hashlib.sha256(b"evalbus session\0" + token.encode("utf-8", "surrogateescape")).hexdigest()[:24]
+
+
+def _session_mac(key: bytes, claims: str) -> bytes:
+    return hmac.new(key, claims.encode("utf-8"), hashlib.sha256).hexdigest().encode()
+
+
 def _digest(token: str) -> bytes:
     # A header that was not UTF-8 reaches us with its bytes as surrogate escapes: digest those
     # bytes (no token matches them) rather than fail on them.
@@ -71,6 +89,7 @@ class TokenTable:
 
     def __init__(self, principals: dict[str, Principal] | None = None) -> None:
         self._by_digest = {_digest(token): p for token, p in (principals or {}).items()}
+        self._by_id = {_token_id(token): (_digest(token), p) for token, p in (principals or {}).items()}
 
     def __len__(self) -> int:
         return len(self._by_digest)
@@ -78,6 +97,28 @@ class TokenTable:
     def lookup(self, token: str) -> Principal | None:
         """The principal of `token`, if any."""
         return self._by_digest.get(_digest(token))
+
+    def session_for(self, token: str, now: float, max_age_s: float) -> str | None:
+        """A dashboard session for `token` (None when no principal has it): `v1.<token id>.<expiry>.
+        <mac>`, the token id a digest of the token, the mac an HMAC keyed by the token's digest. The
+        cookie never holds the token, every replica verifies it alike, it ends at its expiry
+        whatever the browser does, and it dies with its token when the tokens file drops it."""
+        if self.lookup(token) is None:
+            return None
+        claims = f"{SESSION_VERSION}.{_token_id(token)}.{int(now + max_age_s)}"
+        return f"{claims}.{_session_mac(_digest(token), claims).decode()}"
+
+    def session_principal(self, session: str, now: float) -> Principal | None:
+        """The principal of a session `session_for` made, unless it expired or is not one."""
+        version, _, rest = session.partition(".")
+        token_id, _, rest = rest.partition(".")
+        expiry, _, mac = rest.partition(".")
+        found = self._by_id.get(token_id)
+        if version != SESSION_VERSION or found is None or not expiry.isdigit() or int(expiry) <= now:
+            return None
+        digest, principal = found
+        expected = _session_mac(digest, f"{version}.{token_id}.{expiry}")
+        return principal if hmac.compare_digest(expected, mac.encode("utf-8", "surrogateescape")) else None
 
     @classmethod
     def from_settings(cls, admin_token: str | None, tokens_file: str | None) -> TokenTable:
@@ -115,7 +156,8 @@ def load_tokens_file(path: Path) -> dict[str, Principal]:
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="evalbus"'}
 
 SESSION_COOKIE = "evalbus_session"
-"""The dashboard's session cookie (it holds the token, HttpOnly)."""
+"""The dashboard's session cookie (HttpOnly): a signed, expiring session, never the token
+(`TokenTable.session_for`)."""
 CSRF_HEADER = "X-Evalbus-Csrf"
 """Required on writes authenticated by the session cookie."""
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -128,7 +170,7 @@ def authenticate(request: web.Request, tokens: TokenTable) -> Principal:
     if header is None:
         session = request.cookies.get(SESSION_COOKIE)
         if session:
-            principal = tokens.lookup(session)
+            principal = tokens.session_principal(session, time.time())
             if principal is None:
                 raise ApiError(401, "unauthorized", "the session has ended: log in again", "Authorization")
             if request.method not in _SAFE_METHODS and request.headers.get(CSRF_HEADER) != "1":

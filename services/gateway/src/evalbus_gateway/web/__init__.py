@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+import time
 from importlib import resources
 
 import msgspec
@@ -100,16 +101,19 @@ async def asset(call: Call) -> web.StreamResponse:
 
 
 async def login(call: Call) -> web.StreamResponse:
-    """POST /ui/login: a valid token becomes an HttpOnly session cookie."""
+    """POST /ui/login: a valid token becomes an HttpOnly session cookie (signed and expiring; it
+    does not hold the token)."""
     body = await read_json(call.request, LoginRequest, 16 * 1024)
-    principal = call.state.tokens.lookup(body.token.strip())
-    if principal is None:
+    token = body.token.strip()
+    principal = call.state.tokens.lookup(token)
+    session = call.state.tokens.session_for(token, time.time(), SESSION_MAX_AGE_S)
+    if principal is None or session is None:
         raise ApiError(401, "unauthorized", "unknown token", "$.token")
     response = web.Response(body=msgspec.json.encode(Me(principal=principal.name, role=principal.role)))
     response.content_type = "application/json"
     response.set_cookie(
         SESSION_COOKIE,
-        body.token.strip(),
+        session,
         max_age=SESSION_MAX_AGE_S,
         httponly=True,
         samesite="Strict",
