@@ -2,7 +2,7 @@
 replica, alice's runs held running by a harness that waits for a file.
 
 - exec: through either replica, in the sandbox's workdir and environment with secrets masked; the
-  run's creator and an admin may, another member gets 403, no token 401, an unknown run 404; a
+  run's creator and an admin may, another member gets 404 (as for a missing run), no token 401, an unknown run 404; a
   command still running when the sandbox is released ends with it; a settled run is `found: false`;
   every command is marked in the sealed trajectory;
 - terminal: a ticket minted on one replica opens a WebSocket on the other; keystrokes typed before
@@ -118,8 +118,8 @@ async def test_exec_in_a_live_sandbox(pipeline: Pipeline, replica: RunningGatewa
 
     assert (await call(stack, "POST", path, pipeline.stack.admin_token, {"command": "true"}))[0] == 200
     status, body = await call(stack, "POST", path, BOB, command)
-    assert (status, body["error"]["code"]) == (403, "forbidden")
-    assert (await call(other, "POST", path, BOB, command))[0] == 403
+    assert (status, body["error"]["code"]) == (404, "not_found")  # another member's: as if missing
+    assert (await call(other, "POST", path, BOB, command))[0] == 404
     assert (await call(stack, "POST", path, None, command))[0] == 401
     assert (await call(stack, "POST", f"/v1/runs/evb-{batch_id}-nope/exec", ALICE, command))[0] == 404
     status, body = await call(stack, "POST", path, ALICE, {"command": "true", "timeout_s": 0})
@@ -181,7 +181,7 @@ async def test_an_interactive_terminal_across_replicas(
     batch_id, run_id, go = await running_case(pipeline, tmp_path, "terminal")
     stack, other = pipeline.stack.gateway_url, replica.base_url
     path = f"/v1/runs/{run_id}/terminal-ticket"
-    assert (await call(stack, "POST", path, BOB))[0] == 403
+    assert (await call(stack, "POST", path, BOB))[0] == 404
     assert (await call(stack, "POST", path, None))[0] == 401
     status, body = await call(stack, "POST", path, ALICE)
     assert status == 201, body

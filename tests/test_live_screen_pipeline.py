@@ -109,7 +109,7 @@ async def test_the_screen_of_a_live_browser_case(pipeline: Pipeline, replica: Ru
         assert width == 800
         assert pixel == (255, 0, 0)  # the front tab, not the newer blue one
 
-    assert (await screen(pipeline.stack.gateway_url, run_id, BOB))[0] == 403
+    assert (await screen(pipeline.stack.gateway_url, run_id, BOB))[0] == 404
     assert (await screen(replica.base_url, run_id, None))[0] == 401
     assert (await screen(replica.base_url, f"evb-{batch_id}-nope", ALICE))[0] == 404
     tail = await pipeline.gw.logs(run_id)
@@ -161,7 +161,7 @@ async def test_the_screen_of_a_live_desktop_case(pipeline: Pipeline, replica: Ru
         assert (pixels.width, pixels.height) == (320, 200)
         assert pixels.colours() == {(255, 0, 0)}  # every pixel is the painted root window
 
-    assert (await screen(pipeline.stack.gateway_url, run_id, BOB))[0] == 403
+    assert (await screen(pipeline.stack.gateway_url, run_id, BOB))[0] == 404
     tail = await pipeline.gw.logs(run_id)
     assert "desktop is up" in tail.text
     assert "EVALBUS_DISPLAY" not in tail.text

@@ -38,6 +38,7 @@ from evalbus_contracts import (
     batch_run_id,
     decode,
 )
+from evalbus_gateway.store.projection import ONLINE_BATCH_PREFIX
 from evalbus_gateway.testing import BatchScript, RunningGateway, batch_spec, member, running_gateway
 from evalbus_runtime import Publisher
 
@@ -618,12 +619,29 @@ async def test_stopping_a_gateway_closes_its_open_live_streams_promptly(
 # ---------------------------------------------------------------- live actions: unknown runs
 
 
+async def test_a_member_may_see_but_not_act_in_an_online_suites_run(
+    gateways: tuple[RunningGateway, RunningGateway], bus: tuple[NatsClient, Publisher], http: aiohttp.ClientSession
+) -> None:
+    """An online suite's run belongs to the deployment: every member sees it, so acting in it is
+    refused as 403 naming `Authorization` — not the 404 of another member's run, which they cannot see."""
+    one, _ = gateways
+    _, pub = bus
+    script = BatchScript(f"{ONLINE_BATCH_PREFIX}{uuid.uuid4().hex[:8]}", batch_spec(("c1",)))
+    run = ScriptedRun(pub, script, "c1")
+    await run.mark("accepted", "accepted by a dispatcher")
+    async with http.post(
+        f"{one.base_url}/v1/runs/{run.run_id}/exec", headers=auth(BOB), json={"command": "id"}
+    ) as resp:
+        assert resp.status == 403, await resp.text()
+        assert decode(await resp.read(), ErrorBody).error.field == "Authorization"
+
+
 async def test_live_actions_on_a_run_nobody_has_seen_are_404_naming_the_run(
     gateways: tuple[RunningGateway, RunningGateway], bus: tuple[NatsClient, Publisher], http: aiohttp.ClientSession
 ) -> None:
     """Exec, a terminal ticket and the screen of a run that does not exist answer 404 `not_found`
     naming `run_id`, to the creator of a batch of that name, another member and an admin alike;
-    a run that exists stays 403 for a member who may not act in it."""
+    another member's run that exists is 404 too (its id cannot be probed)."""
     one, _ = gateways
     _, pub = bus
     run = await started_run(pub)
@@ -644,5 +662,5 @@ async def test_live_actions_on_a_run_nobody_has_seen_are_404_naming_the_run(
         async with http.request(
             method, f"{one.base_url}/v1/runs/{run.run_id}/{action}", headers=auth(BOB), json=body
         ) as resp:
-            assert resp.status == 403, action
-            assert decode(await resp.read(), ErrorBody).error.field == "Authorization"
+            assert resp.status == 404, action
+            assert decode(await resp.read(), ErrorBody).error.field == "run_id"

@@ -82,8 +82,9 @@ async def actionable_run(call: Call, run_id: str) -> LiveRun:
     """The run of a live action (exec, terminal, screen), if the caller may act in its sandbox.
 
     Acting runs commands in the sandbox, so it takes more than seeing the run: the run's creator
-    (the submitter of its batch) or an admin. An unknown run is 404; a run the caller did not
-    create is 403 (another member's, or an online suite's run, which no member created).
+    (the submitter of its batch) or an admin. An unknown run is 404, and so is another member's
+    (its ids cannot be probed, as for reads); a run the caller sees but did not create — an online
+    suite's, which no member created — is 403.
     """
     view = await get_run(call.state.pool, run_id)
     if view is not None:
@@ -97,6 +98,8 @@ async def actionable_run(call: Call, run_id: str) -> LiveRun:
         return run
     batch = await find_batch(call.state.pool, call.state.js, run.batch_id) if run.batch_id is not None else None
     if batch is None or batch.submitted_by != call.user.name:
+        if not await _may_see_batch_of(call, run.batch_id):  # another member's: as if it did not exist
+            raise not_found("run", "run_id", run_id)
         raise ApiError(
             403,
             "forbidden",
