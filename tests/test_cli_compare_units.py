@@ -8,6 +8,7 @@ import io
 from datetime import UTC, datetime
 from typing import Literal
 
+import msgspec
 import pytest
 
 from evalbus.cli import build_parser
@@ -74,6 +75,18 @@ def test_compare_text_shows_the_metrics_and_the_regressed_cases_with_both_answer
     c00 = next(line for line in lines if line.strip().startswith("c00"))
     assert c00.split() == ["c00", "pass", "'right'", "fail", "'wrong'", "answer_match"]
     assert "only in candidate: extra" in lines
+
+
+def test_batches_of_other_suites_with_no_case_in_common_say_so() -> None:
+    comparison = msgspec.structs.replace(
+        compare("bbase", [case_run("bbase", "q1", True)], "bcand", [case_run("bcand", "other", False)]),
+        base_suite="demo-tools",
+        candidate_suite="starter",
+    )
+    lines = render_comparison(comparison).splitlines()
+    assert "note      the batches ran different suites (demo-tools, starter): cases pair by id" in lines
+    assert "nothing to compare: no case is in both batches" in lines
+    assert not any(line.startswith("no significant change") for line in lines)
 
 
 def test_gate_options_are_checked_before_submission_and_added_to_the_spec() -> None:

@@ -129,6 +129,10 @@ async def test_a_regression_is_found_compared_and_gated(pipeline: Pipeline, tmp_
     [gate] = one_json(done)["gates"]
     assert gate["passed"] is False
     assert f"suite {suite_id} has no baseline" in gate["detail"]
+    done = await evalbus(pipeline, "compare", base_id, cwd=tmp_path)  # nothing to compare with: says what to run
+    assert done.returncode == 1
+    assert "evalbus compare BASE CANDIDATE" in done.stderr
+    assert "evalbus baseline set SUITE BATCH" in done.stderr
 
     done = await evalbus(pipeline, "baseline", "set", suite_id, base_id, cwd=tmp_path)
     assert done.returncode == 0, done.stderr

@@ -19,7 +19,14 @@ import json
 from collections.abc import Sequence
 
 from evalbus.cli.connection import add_gateway_options
-from evalbus.cli.follow import EXIT_BAD_INPUT, EXIT_FINALIZED, api_failure, error_line, resolve_target
+from evalbus.cli.follow import (
+    EXIT_BAD_INPUT,
+    EXIT_FINALIZED,
+    EXIT_NOT_SUCCEEDED,
+    api_failure,
+    error_line,
+    resolve_target,
+)
 from evalbus.cli.scorecard import clip, number, table
 from evalbus_api.client import ApiRequestError, GatewayClient
 from evalbus_contracts import Measured, to_builtins
@@ -156,8 +163,14 @@ def render_comparison(comparison: Comparison) -> str:
         f"{len(c.only_in_candidate)} only in candidate",
         "",
     ]
+    paired = len(c.regressed) + len(c.improved) + len(c.unchanged) + len(c.no_verdict)
+    suites = (comparison.base_suite, comparison.candidate_suite)
+    if None not in suites and suites[0] != suites[1]:
+        head.insert(-1, f"note      the batches ran different suites ({suites[0]}, {suites[1]}): cases pair by id")
     significant = [m for m in comparison.metrics if m.significant]
-    if significant:
+    if paired == 0:
+        verdict = "nothing to compare: no case is in both batches"
+    elif significant:
         verdict = f"significant (q < {comparison.alpha:g}): " + ", ".join(f"{m.metric} {m.change}" for m in significant)
     else:
         verdict = f"no significant change (q < {comparison.alpha:g})"
@@ -179,7 +192,13 @@ async def compare_command(client: GatewayClient, base: str | None, candidate: st
     try:
         comparison = await client.compare(candidate, base)
     except ApiRequestError as e:
-        code, message = api_failure(e, "compare")
+        if base is None and e.status == 404 and e.field == "base":  # the API's advice is for API callers
+            error_line(
+                f"evalbus compare: {candidate}'s suite has no baseline: compare two batches "
+                "(evalbus compare BASE CANDIDATE) or set one (evalbus baseline set SUITE BATCH)"
+            )
+            return EXIT_NOT_SUCCEEDED
+        code, message = api_failure(e, "evalbus compare")
         error_line(message)
         return code
     if json_output:
