@@ -52,7 +52,10 @@ def test_init_writes_a_valid_suite_whose_agent_answers_its_cases(
 def test_init_leaves_existing_files_alone_unless_forced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "suite.yaml").write_text("mine\n")
     assert main(["init", str(tmp_path)]) == 2
-    assert "suite.yaml" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        f"evalbus init: {tmp_path} has an evaluation already (suite.yaml exists); nothing written: "
+        "run it (evalbus run), init another folder, or --force to overwrite\n"
+    )
     assert (tmp_path / "suite.yaml").read_text() == "mine\n"
     assert not (tmp_path / "agent.py").exists()
     assert main(["init", str(tmp_path), "--force"]) == 0

@@ -185,6 +185,9 @@ async def test_replay_from_the_stream_fills_an_empty_event_store(
     scripts = await finalized_batches(gateway, fresh_nats.url, ("c1", "c2"), ("c1",))
     empty = await create_database(pg_admin_url, "evalbus_replay")
     try:
+        no_store = await evalbus("verify", "b-anything", "--database", empty)  # a database `up` did not make
+        assert no_store.returncode == 1
+        assert "holds no event store: name the database `evalbus up` made" in no_store.stderr
         first = await evalbus("replay", "--from-stream", "--database", empty, "--nats", fresh_nats.url)
         assert first.returncode == 0, first.stderr
         stored = "SELECT stream_seq, subject, type, dedupe_key, body FROM events ORDER BY stream_seq"

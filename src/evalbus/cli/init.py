@@ -87,7 +87,12 @@ def run(args: argparse.Namespace) -> int:
     existing = [name for name in FILES if (folder / name).exists()]
     if existing and not args.force:
         names = ", ".join(existing)
-        print(f"evalbus init: {names} exist(s) in {folder}; left alone (--force overwrites)", file=sys.stderr)
+        verb = "exists" if len(existing) == 1 else "exist"
+        print(
+            f"evalbus init: {folder} has an evaluation already ({names} {verb}); nothing written: "
+            "run it (evalbus run), init another folder, or --force to overwrite",
+            file=sys.stderr,
+        )
         return 2
     folder.mkdir(parents=True, exist_ok=True)
     for name, text in FILES.items():

@@ -24,6 +24,7 @@ from nats.aio.client import Client as NatsClient
 from nats.errors import Error as NatsError
 
 from evalbus.cli.connection import TargetError, add_database_options, database_url, nats_url
+from evalbus.infra.endpoints import redact_url
 from evalbus_runtime.payloads import first_bad_object, object_refs
 
 # The event store is the gateway's: imported when the command runs, so that `evalbus.cli`, which
@@ -122,6 +123,13 @@ def run(args: argparse.Namespace) -> int:
         kind, results = asyncio.run(verify(url, args.id, nats))
     except TargetError as e:
         print(f"evalbus verify: {e}", file=sys.stderr)
+        return 1
+    except asyncpg.UndefinedTableError:
+        print(
+            f"evalbus verify: {redact_url(url)} holds no event store: name the database `evalbus up` made "
+            "(the `database` of .evalbus/endpoints.json, found by --dir), not its server's",
+            file=sys.stderr,
+        )
         return 1
     except (OSError, asyncpg.PostgresError) as e:
         print(f"evalbus verify: the event store is unavailable: {type(e).__name__}: {e}", file=sys.stderr)
