@@ -45,11 +45,13 @@ def test_one_suite_a_list_or_a_mapping_of_suites(tmp_path: Path, text: str) -> N
     [
         ("[]", "expected a suite, a list of suites"),
         ("id: [", "cannot read it"),
-        ("- id: a\n  target: {service: s}\n- target: 3\n", "suite 2: Expected `object`, got `int` - at `$.target`"),
+        ("- id: a\n  target: {service: s}\n- target: 3\n", "$[1].target: Expected `object`, got `int`"),
+        ("id: a\ntarget: {service: s}\nsample_ratio: many\n", "$.sample_ratio: Expected `float`, got `str`"),
         (
-            "id: a\ntarget: {service: s}\nsample_ratio: many\n",
-            "the suite: Expected `float`, got `str` - at `$.sample_ratio`",
+            "id: a\ntarget: {service: s}\nsample_ration: 0.5\n",
+            "$.sample_ration: unknown field; did you mean `sample_ratio`?",
         ),
+        ("suite: {id: s, cases: []}\nharness: {id: h, command: [x]}\n", "this is a batch suite (suite:, harness:)"),
     ],
 )
 def test_a_bad_file_names_the_suite_and_field(tmp_path: Path, text: str, message: str) -> None:

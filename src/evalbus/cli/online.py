@@ -21,7 +21,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import yaml
 
 from evalbus.cli.connection import GatewayTarget, add_gateway_options
@@ -33,6 +32,7 @@ from evalbus.cli.follow import (
     error_line,
     resolve_target,
 )
+from evalbus.cli.suite_file import SpecFileError, convert_as
 from evalbus_api.client import ApiRequestError, GatewayClient
 from evalbus_contracts import OnlineSuiteSpec, to_builtins
 
@@ -47,6 +47,11 @@ def load_suites(path: Path) -> list[OnlineSuiteSpec]:
         doc = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise SuiteFileError(f"{path}: cannot read it: {e}") from None
+    if isinstance(doc, dict) and "suite" in doc and "harness" in doc:
+        raise SuiteFileError(
+            f"{path}: this is a batch suite (suite:, harness:) for `evalbus run`; an online suite names "
+            "id:, target: and judges: (docs/online.md)"
+        )
     items: Any = doc.get("suites", doc) if isinstance(doc, dict) else doc
     if isinstance(items, dict):
         items = [items]
@@ -54,11 +59,12 @@ def load_suites(path: Path) -> list[OnlineSuiteSpec]:
         raise SuiteFileError(f"{path}: expected a suite, a list of suites or {{suites: [...]}}")
     suites = []
     for i, item in enumerate(items):
+        root = f"$[{i}]" if len(items) > 1 else "$"
         try:
-            suites.append(msgspec.convert(item, OnlineSuiteSpec))
-        except msgspec.ValidationError as e:
-            at = f"suite {i + 1}" if len(items) > 1 else "the suite"
-            raise SuiteFileError(f"{path}: {at}: {e}") from None
+            suites.append(convert_as(item, OnlineSuiteSpec, str(path), root))
+        except SpecFileError as e:  # every unknown key with its nearest known one, else the first bad field
+            details = "; ".join(f"{field}: {message}" for field, message in e.problems)
+            raise SuiteFileError(f"{path}: {details}") from None
     return suites
 
 
