@@ -109,5 +109,8 @@ async def test_what_a_user_gets_wrong_is_named(client: Client, pipeline: Pipelin
     with pytest.raises(ApiRequestError) as refused, Client(gateway=pipeline.stack.gateway_url, token="wrong") as other:
         other.batch("no-such-batch")
     assert refused.value.status == 401
+    with pytest.raises(ApiRequestError) as bad_key:
+        client.submit(mapping("yes"), idempotency_key="a\nb")
+    assert (bad_key.value.status, bad_key.value.field) == (400, "Idempotency-Key")
     with pytest.raises(TimeoutError, match=r"batch b\w+ was not final after 0\.5 s"):
         client.wait(client.submit(mapping("yes", suite_id="slowish", sleep_s=5)), timeout_s=0.5)

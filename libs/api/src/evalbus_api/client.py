@@ -25,6 +25,7 @@ from evalbus_api.actions import ExecBody, ExecView, ScreenView, TicketView
 from evalbus_api.compare import BaselineRequest, BaselineView
 from evalbus_api.live import LiveTraceView, LogTail, RunPlacement, RunStreamEnd
 from evalbus_api.models import (
+    IDEMPOTENCY_KEY_MAX,
     BatchAccepted,
     BatchPage,
     CancelAccepted,
@@ -207,6 +208,15 @@ class GatewayClient:
 
     async def submit(self, spec: BatchSpec, *, idempotency_key: str | None = None) -> BatchAccepted:
         """Submit a batch (`batch.requested` is published)."""
+        if idempotency_key is not None and not (
+            0 < len(idempotency_key) <= IDEMPOTENCY_KEY_MAX and idempotency_key.isprintable()
+        ):  # the gateway's own rule, checked here: an HTTP header cannot even carry some of these
+            raise ApiRequestError(
+                400,
+                "invalid",
+                f"Idempotency-Key must be 1 to {IDEMPOTENCY_KEY_MAX} printable characters (checked before sending)",
+                "Idempotency-Key",
+            )
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         return await self._call("POST", "/v1/batches", BatchAccepted, body=spec, headers=headers)
 

@@ -113,6 +113,10 @@ class Me(msgspec.Struct, frozen=True, kw_only=True):
     """`admin` or `member`."""
 
 
+IDEMPOTENCY_KEY_MAX = 200
+"""The longest `Idempotency-Key` (of printable characters) a submission may carry."""
+
+
 class StreamEnd(msgspec.Struct, frozen=True, kw_only=True):
     """Data of the SSE `end` event: the batch is finalized."""
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import msgspec
 from aiohttp import web
 
-from evalbus_api.models import ErrorBody
+from evalbus_api.models import IDEMPOTENCY_KEY_MAX, ErrorBody
 from evalbus_contracts import BatchRequested, BatchSpec
 from evalbus_gateway.api.errors import ApiError
 from evalbus_gateway.api.reads import requested_on_stream
@@ -56,7 +56,7 @@ log = logging.getLogger("evalbus.gateway.api")
 
 HEADER = "Idempotency-Key"
 """The request header (and the `field` of its errors)."""
-KEY_MAX = 200
+KEY_MAX = IDEMPOTENCY_KEY_MAX
 """Longest key accepted, characters."""
 KEY_REUSED = Body(
     "The `Idempotency-Key` was used with a different request (`error.field` = `Idempotency-Key`)", ErrorBody
