@@ -218,6 +218,8 @@ async def test_no_evalbus_user_hears_the_authorization_requests(secure: SecureNa
         await runner.nc.flush()
         await runner.nc.close()
         await admin.flush()
+        # flush only says the message reached the admin's connection; its callback runs after
+        await eventually(lambda: "run.evb-quiet.live.log" in heard, timeout_s=10, what="the admin hears the publish")
         assert auth.granted == 1
     assert heard == ["run.evb-quiet.live.log"]  # its publish, never a request or an answer
 
