@@ -397,7 +397,8 @@ def test_the_failed_cases_say_why_and_end_with_the_last_lines_of_their_logs() ->
     )
     crashed = CaseFailure(
         stage="run", failure_class="agent", code="exit_nonzero", message="harness exited with 1",
-        log_tail="starting\n\nTraceback (most recent call last):\n  File \"agent.py\", line 3\nNameError: name 'x'\n",
+        log_tail="starting\n\nTraceback (most recent call last):\n  File \"agent.py\", line 3\nNameError: name 'x'"
+        + " is not defined in " + "m" * 200 + " module 'nofunc' has no attribute 'solve'\n",
     )  # fmt: skip
     missing = CaseFailure(
         stage="run",
@@ -419,8 +420,12 @@ def test_the_failed_cases_say_why_and_end_with_the_last_lines_of_their_logs() ->
     assert lines[at + 1 : at + 4] == [  # the last three non-empty lines, in order
         "    | Traceback (most recent call last):",
         '    |   File "agent.py", line 3',
-        "    | NameError: name 'x'",
-    ]
+        "    | NameError: name 'x' is not defined in "
+        + "m" * 40
+        + " … "
+        + "m" * 37
+        + " module 'nofunc' has no attribute 'solve'",
+    ]  # a long line keeps its end: what went wrong
     assert not any(line.startswith("  c2: the last lines") for line in lines)  # it left no log
 
 

@@ -199,8 +199,17 @@ def log_tail_lines(failed: Sequence[RunView], limit: int = MAX_LOG_TAILS_SHOWN) 
         lines = [line for line in tail.splitlines() if line.strip()][-LOG_TAIL_LINES:]
         case = run.case_id + (f" #{run.trial}" if run.trial is not None else "")
         out.append(f"  {case}: the last lines of its log (evalbus tail, GET /v1/runs/{run.run_id}/logs)")
-        out += [f"    | {line[:160]}" for line in lines]
+        out += [f"    | {_shortened(line)}" for line in lines]
     return out
+
+
+def _shortened(line: str, width: int = 160) -> str:
+    """A log line in `width` characters: its start and its end (an error's last words are the ones
+    that say what went wrong), the middle elided."""
+    if len(line) <= width:
+        return line
+    half = (width - 3) // 2
+    return f"{line[:half]} … {line[-half:]}"
 
 
 def failed_lines(
