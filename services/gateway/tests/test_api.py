@@ -191,6 +191,39 @@ async def test_supersede_cancels_open_batches_with_the_same_key(
     assert sorted(fourth_body["superseded"]) == sorted([second, third])
 
 
+async def test_an_older_request_never_supersedes_a_newer_batch(
+    gateway: RunningGateway, http: aiohttp.ClientSession, bus: tuple[NatsClient, Publisher]
+) -> None:
+    """A keyed retry of X after Y superseded it (both recorded, Y open) must not cancel Y: requests
+    are ordered by their place on the stream, not by when their HTTP call arrived."""
+    nc, _ = bus
+    key, idem = f"pr-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
+    headers = {**auth(ALICE), "Idempotency-Key": idem}
+    async with http.post(f"{gateway.base_url}/v1/batches", json=spec_json(supersede_key=key), headers=headers) as r:
+        x = (await r.json())["batch_id"]
+    await recorded(gateway, x)
+    y = await submit(http, gateway, ALICE, spec_json(supersede_key=key))
+    await recorded(gateway, y)
+    assert (await last_on_stream(nc, f"batch.cancelled.{x}")) is not None  # Y superseded X
+    async with http.post(f"{gateway.base_url}/v1/batches", json=spec_json(supersede_key=key), headers=headers) as r:
+        retried = await r.json()
+    assert (r.status, retried["batch_id"], retried["superseded"]) == (202, x, [])
+    assert await last_on_stream(nc, f"batch.cancelled.{y}") is None  # the newer batch stands
+
+    # An admin's older batch, retried after a member's newer one with the key (which the member
+    # could not cancel): the admin may cancel anyone's, but not a batch requested after its own.
+    admin = {**auth(gateway.admin_token), "Idempotency-Key": uuid.uuid4().hex}
+    async with http.post(f"{gateway.base_url}/v1/batches", json=spec_json(supersede_key=key), headers=admin) as r:
+        older = (await r.json())["batch_id"]
+    await recorded(gateway, older)
+    newer = await submit(http, gateway, ALICE, spec_json(supersede_key=key))
+    await recorded(gateway, newer)
+    assert await last_on_stream(nc, f"batch.cancelled.{older}") is None  # not alice's to cancel
+    async with http.post(f"{gateway.base_url}/v1/batches", json=spec_json(supersede_key=key), headers=admin) as r:
+        assert (await r.json())["superseded"] == []
+    assert await last_on_stream(nc, f"batch.cancelled.{newer}") is None
+
+
 async def test_supersede_sees_a_batch_submitted_a_moment_before_its_recording(
     gw_nats: str, database_url: str, http: aiohttp.ClientSession, bus: tuple[NatsClient, Publisher]
 ) -> None:

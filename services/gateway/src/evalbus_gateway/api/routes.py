@@ -16,6 +16,7 @@ from typing import Any, cast
 import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from nats.errors import Error as NatsError
 
 from evalbus_api.models import (
     BatchAccepted,
@@ -59,7 +60,7 @@ from evalbus_gateway.api.placement import placement_of, with_lanes_waiting
 from evalbus_gateway.api.reads import finalized_on_stream, list_batches
 from evalbus_gateway.api.rejudge import ROUTE as REJUDGE_ROUTE
 from evalbus_gateway.api.sse import stream_batch_events
-from evalbus_gateway.api.supersede import bucket_key, claim_latest
+from evalbus_gateway.api.supersede import bucket_key, claim_latest, requested_seq
 from evalbus_gateway.api.table import Body, Call, Link, Param, Route
 from evalbus_gateway.api.validation import (
     check_batch_spec,
@@ -118,35 +119,49 @@ def links(batch_id: str) -> BatchLinks:
 
 async def _supersede(call: Call, spec: BatchSpec, new_id: str, seq: int | None) -> tuple[str, ...]:
     """Cancel, as superseded by `new_id`, every open batch with the spec's supersede key that the
-    caller may cancel (an admin: all of them; a member: its own): those of the read model, and the
-    caller's latest of the key too recent to be recorded yet (`api.supersede`; only a fresh
-    submission, published at `seq`, takes part in that). When a later submission got there first,
-    `new_id` itself is cancelled as superseded by it (and is not in the answer)."""
+    caller may cancel (an admin: all of them; a member: its own) and that was requested before it:
+    those of the read model, and the caller's latest of the key too recent to be recorded yet
+    (`api.supersede`). Requests are ordered by their place on the stream (`seq`, looked up for a
+    retry), so an older request — a retry, or one that stalled — never cancels a newer batch; when a
+    later submission got there first, `new_id` itself is cancelled as superseded by it (and nothing
+    else is)."""
     if spec.supersede_key is None:
         return ()
     state = call.state
-    candidates = [b for b in await open_batches_by_supersede_key(state.pool, spec.supersede_key) if b != new_id]
+    if seq is None:  # a retry: where its batch's request stands
+        seq = await requested_seq(state.js, new_id)
+    events: list[BatchCancelled] = []
     chosen: list[str] = []
-    for batch_id in candidates:
+    if seq is not None:
+        try:
+            kv = await state.js.key_value(SUPERSEDE_KEYS.bucket)
+            displaced = await claim_latest(kv, bucket_key(call.user.name, spec.supersede_key), new_id, seq)
+        except NatsError:  # the read model still answers for what is recorded; the batch stands
+            log.warning(
+                "supersede-keys unavailable for batch %s; superseding from the read model", new_id, exc_info=True
+            )
+            displaced = None
+        if displaced is not None and displaced.old == new_id:  # a later submission won: only this one goes
+            await state.publisher.publish_events(
+                [BatchCancelled(batch_id=new_id, reason="superseded", by=displaced.new, superseded_by=displaced.new)]
+            )
+            return ()
+        if displaced is not None:
+            view = await get_batch(state.pool, displaced.old)
+            if view is None or view.finalized_at is None:  # not recorded yet, or still open
+                chosen.append(displaced.old)
+    for batch_id in await open_batches_by_supersede_key(state.pool, spec.supersede_key):
+        if batch_id == new_id or batch_id in chosen:
+            continue
         if not call.user.is_admin:
             view = await get_batch(state.pool, batch_id)
             if view is None or not call.user.may_access(view.submitted_by):
                 continue
+        older = await requested_seq(state.js, batch_id)
+        if seq is not None and older is not None and older > seq:
+            continue  # requested after this one: not this request's to cancel
         chosen.append(batch_id)
-    events = [BatchCancelled(batch_id=old, reason="superseded", by=new_id, superseded_by=new_id) for old in chosen]
-    if seq is not None:
-        kv = await state.js.key_value(SUPERSEDE_KEYS.bucket)
-        displaced = await claim_latest(kv, bucket_key(call.user.name, spec.supersede_key), new_id, seq)
-        if displaced is not None and displaced.old not in chosen:
-            view = await get_batch(state.pool, displaced.old)
-            if view is None or view.finalized_at is None:  # not recorded yet, or still open
-                events.append(
-                    BatchCancelled(
-                        batch_id=displaced.old, reason="superseded", by=displaced.new, superseded_by=displaced.new
-                    )
-                )
-                if displaced.old != new_id:
-                    chosen.append(displaced.old)
+    events += [BatchCancelled(batch_id=old, reason="superseded", by=new_id, superseded_by=new_id) for old in chosen]
     await state.publisher.publish_events(events)
     return tuple(chosen)
 

@@ -15,8 +15,12 @@ from __future__ import annotations
 import hashlib
 
 import msgspec
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
+
+from evalbus_contracts import subjects
+from evalbus_contracts.streams import CASES
 
 
 class Latest(msgspec.Struct, frozen=True, kw_only=True):
@@ -35,6 +39,16 @@ class Displaced(msgspec.Struct, frozen=True, kw_only=True):
     """The superseded batch."""
     new: str
     """The batch that supersedes it."""
+
+
+async def requested_seq(js: JetStreamContext, batch_id: str) -> int | None:
+    """The CASES stream sequence of the batch's `batch.requested` (None when the stream no longer
+    holds it: compacted, so finalized long ago)."""
+    try:
+        found = await js.get_last_msg(CASES.name, subjects.batch_subject(subjects.BATCH_REQUESTED, batch_id))
+    except NotFoundError:
+        return None
+    return found.seq
 
 
 def bucket_key(submitter: str, supersede_key: str) -> str:
