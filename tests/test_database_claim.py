@@ -4,7 +4,6 @@ folder; another stack gets a database of its own, or a refusal when it named the
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -91,4 +90,3 @@ async def test_an_unmarked_database_is_taken_when_empty_or_remembered(
     assert "a stack that left no mark (it holds events)" in moved.note
     kept = await claim(pg_admin_url, held, "eeeeeeee55555555", tmp_path, remembered=True)
     assert kept == ClaimedDatabase(url=with_database(pg_admin_url, held))
-    assert not asyncio.get_running_loop().is_closed()

@@ -333,6 +333,10 @@ def test_rows_that_cannot_be_read_do_not_hide_the_rules_the_others_break(tmp_pat
         ("cases.jsonl line 3, field graders[0].comand", "unknown field; did you mean `command`?"),
         ("cases.jsonl line 1, field timeout_s", "must be greater than 0"),  # a rule, checked on the readable rows
     ]
+    (tmp_path / "cases.jsonl").write_text('{"input": "x"}\n{"input": "y", "answer": \n')
+    # the column may be in the row that could not be read: not called missing
+    fields = "  id: cols\n  dataset: {path: cases.jsonl, fields: {expected: answer}}"
+    assert [f for f, _ in problems_of(suite_file(tmp_path, fields))] == ["cases.jsonl line 2"]
     (tmp_path / "cases.jsonl").write_text("not json\n")  # no readable row: no rule about having none
     assert [f for f, _ in problems_of(suite_file(tmp_path, "  id: rules\n  dataset: {path: cases.jsonl}"))] == [
         "cases.jsonl line 1"

@@ -37,6 +37,7 @@ from evalbus.cli.suite_file import (
     expand,
     load_suite,
     resolve_command,
+    with_dataset_problems,
 )
 from evalbus.cli.upload import UploadProgress, inline_limit, needs_upload, offload_cases
 from evalbus_api.client import ApiRequestError, GatewayClient, SseEvent
@@ -192,7 +193,7 @@ def load(suite: str | Path | Mapping[str, Any] | BatchSpec) -> BatchSpec:
     _inputs_as_text(data)
     file = convert_as(data, SuiteFile, source)
     spec, _, unread = expand(file, folder, source)
-    problems = list(dict.fromkeys(unread + [(p.field, p.message) for p in batch_spec_problems(spec)]))
+    problems = with_dataset_problems(unread, [(p.field, p.message) for p in batch_spec_problems(spec)])
     if problems:
         raise SpecFileError(source, problems)
     return resolve_command(spec, folder)

@@ -147,6 +147,8 @@ def test_a_dashboard_session_is_signed_expires_and_never_holds_the_token() -> No
         "v0." + session[3:],
         "",
         "v1...",
+        f"{version}.{token_id}.\u00b2.{mac}",  # a digit to str.isdigit, not to int
+        f"{version}.{token_id}.{'9' * 5000}.{mac}",  # past int()'s digit limit
     ]
     for cookie in forged:
         assert table.session_principal(cookie, now) is None, cookie

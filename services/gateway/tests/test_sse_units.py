@@ -38,6 +38,9 @@ def test_crlf_lines_and_unknown_fields() -> None:
     parser = SseParser()
     events = parser.feed(b"retry: 10\r\nid: 7\r\nevent: x\r\ndata: a\r\n\r\n")
     assert events == [SseEvent(7, "x", "a")]
+    # an id that is not ASCII digits is no id; a block of only an id lends it to no later event
+    events = parser.feed("id: \u00b2\ndata: b\n\nid: 9\n\ndata: c\n\n".encode())
+    assert events == [SseEvent(None, "message", "b"), SseEvent(None, "message", "c")]
 
 
 def test_event_type_from_header_or_payload() -> None:

@@ -156,7 +156,7 @@ def load_dataset(spec: DatasetSpec, folder: Path, at: str = "$.suite.dataset") -
     rows, problems = _read_rows(path, fmt, spec.path, at)
     cases: list[DatasetCase] = []
     try:  # the rows that could be read are checked too: every problem of the file at once
-        cases = _cases(rows, spec, at) if rows or not problems else []
+        cases = _cases(rows, spec, at, every_row=not problems) if rows or not problems else []
     except DatasetError as e:
         problems, cases = problems + e.problems, e.readable
     if problems:
@@ -167,8 +167,8 @@ def load_dataset(spec: DatasetSpec, folder: Path, at: str = "$.suite.dataset") -
 def _line_order(problem: tuple[str, str]) -> int:
     """Problems of a file in the order of its lines (`… line 12…`, `… [3]…`, `… row 4…`); those of
     the spec itself first, in their own order (the sort is stable)."""
-    found = re.search(r"(?: line | \[| row )(\d+)", problem[0])
-    return int(found.group(1)) if found else -1
+    found = re.findall(r"(?: line | \[| row )(\d+)", problem[0])  # the last: the name may hold one too
+    return int(found[-1]) if found else -1
 
 
 def select(cases: list[T], spec: DatasetSpec) -> list[T]:
@@ -302,10 +302,12 @@ class _BadValue(Exception):
         self.message = message
 
 
-def _cases(rows: list[Row], spec: DatasetSpec, at: str) -> list[DatasetCase]:
+def _cases(rows: list[Row], spec: DatasetSpec, at: str, *, every_row: bool = True) -> list[DatasetCase]:
+    """The rows as cases; `every_row` False when some rows could not be read (then a column seen
+    in no readable row may be in an unreadable one: not said)."""
     if not rows:
         raise DatasetError([(f"{at}.path", f"{spec.path} holds no rows")])
-    unmapped = _unseen_columns(rows, spec.fields, at)
+    unmapped = _unseen_columns(rows, spec.fields, at) if every_row else []
     if unmapped:
         raise DatasetError(unmapped)
     problems: list[tuple[str, str]] = []

@@ -182,9 +182,7 @@ def load_suite(path: Path) -> BatchSpec:
     spec, origins, unread = expand(file, folder, source)
     shared = len(file.suite.graders)
     rules = [(locate(p.field, origins, shared), p.message) for p in batch_spec_problems(spec)]
-    if unread:  # a dataset with unreadable rows: its readable ones were checked against the rules too
-        rules = [r for r in rules if r[0] != "$.suite.cases"]  # "needs at least one case": its rows are the problem
-    problems = list(dict.fromkeys(unread + rules))
+    problems = with_dataset_problems(unread, rules)
     if problems:
         raise SpecFileError(source, problems)
     return resolve_command(spec, folder)
@@ -206,6 +204,18 @@ class CaseOrigin:
         if self.columns is None:
             return f"{self.case_at}.{name}"
         return f"{self.case_at}, field {self.columns.get(name, name)}"
+
+
+NO_CASES = "a batch needs at least one case"
+"""The rule a dataset whose every row is unreadable would also break (its rows are the problem)."""
+
+
+def with_dataset_problems(unread: list[tuple[str, str]], rules: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """A dataset's own problems, then the rules its readable rows break (without "no case" when
+    some rows could not be read: those rows are what is wrong)."""
+    if unread:
+        rules = [r for r in rules if not (r[0] == "$.suite.cases" and r[1] == NO_CASES)]
+    return list(dict.fromkeys(unread + rules))
 
 
 def expand(file: SuiteFile, folder: Path, source: str) -> tuple[BatchSpec, list[CaseOrigin], list[tuple[str, str]]]:

@@ -257,13 +257,24 @@ DEFAULT_DATABASE = "evalbus"
 def _database_name(previous: Endpoints, opts: UpOptions) -> tuple[str, bool]:
     """The database to use on the `DATABASE_URL` server and whether this stack used it before."""
     before = None
-    same_server = bool(previous.database and opts.database_url) and (
-        urlsplit(previous.database or "").netloc == urlsplit(opts.database_url or "").netloc
+    same_server = bool(previous.database and opts.database_url) and _server(previous.database or "") == _server(
+        opts.database_url or ""
     )
     if previous.postgres == "external" and same_server:
         before = urlsplit(previous.database or "").path.lstrip("/") or None
     name = opts.database_name or before or DEFAULT_DATABASE
     return name, name == before
+
+
+def _server(url: str) -> tuple[str | None, int]:
+    """Where a PostgreSQL URL points: host and port (not who connects: a changed password is the
+    same server, and its database the same stack's)."""
+    parts = urlsplit(url)
+    return parts.hostname, parts.port or 5432
+
+
+def _same_database(a: str, b: str) -> bool:
+    return _server(a) == _server(b) and urlsplit(a).path == urlsplit(b).path
 
 
 def _check_compatible(previous: Endpoints, opts: UpOptions, external_url: str | None) -> None:
@@ -276,7 +287,11 @@ def _check_compatible(previous: Endpoints, opts: UpOptions, external_url: str | 
         raise UpError(
             "postgres", f"the stack runs with {previous.postgres} PostgreSQL; run `evalbus down` first", started=False
         )
-    if external_url is not None and previous.database not in (None, external_url):
+    if (
+        external_url is not None
+        and previous.database is not None
+        and not _same_database(previous.database, external_url)
+    ):
         assert previous.database is not None
         raise UpError(
             "postgres",

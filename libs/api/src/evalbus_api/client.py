@@ -52,6 +52,9 @@ T = TypeVar("T")
 END_EVENT = "end"
 """The event that ends a batch's stream (its data holds the final status)."""
 
+MIN_RETRY_S = 0.5
+"""The shortest wait before asking again, whatever `Retry-After` says (0 from a proxy would spin)."""
+
 TOO_MANY_STREAMS = 429
 """The answer to a stream the principal has no slot for: waited out (its `Retry-After`) and tried
 again for up to the stream's idle timeout, since a slot frees as soon as the gateway notices a
@@ -123,6 +126,7 @@ class SseParser:
     def _line(self, line: str) -> SseEvent | None:
         if not line:
             if not self._data and not self._event:
+                self._id = None  # a block of only an id is no event: its id is nobody's
                 return None
             event = SseEvent(self._id, self._event or "message", "\n".join(self._data))
             self._id, self._event, self._data = None, "", []  # an id belongs to its own event only
@@ -136,7 +140,7 @@ class SseParser:
         elif name == "event":
             self._event = value
         elif name == "id":
-            self._id = int(value) if value.isdigit() else None
+            self._id = int(value) if _whole_number(value) else None
         return None
 
 
@@ -428,7 +432,7 @@ class GatewayClient:
                     crowded_since = crowded_since if crowded_since is not None else now
                     if now - crowded_since + e.retry_after_s > idle_timeout_s:
                         raise
-                    await asyncio.sleep(e.retry_after_s)
+                    await asyncio.sleep(max(e.retry_after_s, MIN_RETRY_S))
                     continue
                 if e.status < 500:
                     raise
@@ -446,6 +450,11 @@ class GatewayClient:
             await asyncio.sleep(min(0.2 * 2**failures, 5.0))
 
 
+def _whole_number(text: str) -> bool:
+    """ASCII digits, at most 18 of them (`str.isdigit` takes '²', which `int` refuses)."""
+    return text.isascii() and text.isdigit() and len(text) <= 18
+
+
 def _quote(value: str) -> str:
     return quote(value, safe="")
 
@@ -455,7 +464,7 @@ def _params(**values: object) -> dict[str, str]:
 
 
 def _error(status: int, payload: bytes, retry_after: str | None = None) -> ApiRequestError:
-    wait = float(retry_after) if retry_after is not None and retry_after.isdigit() else None
+    wait = float(retry_after) if retry_after is not None and _whole_number(retry_after) else None
     try:
         detail = msgspec.json.decode(payload, type=ErrorBody).error
     except msgspec.DecodeError:
