@@ -86,6 +86,7 @@ async def submit_anywhere(p: Pipeline, spec: BatchSpec) -> str:
     raise AssertionError(f"no gateway replica took the batch: {last}")
 
 
+@pytest.mark.timeout(900)  # ten replacements, each a service's start: 25 s alone, past 300 s on a loaded CI run
 async def test_traffic_flows_while_every_service_is_rolled_one_replica_at_a_time(pipeline: Pipeline) -> None:
     p = pipeline
     calm = await p.finalized(await p.submit(suite()), timeout_s=120)
