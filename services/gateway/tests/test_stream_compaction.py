@@ -176,6 +176,32 @@ async def test_a_message_the_store_has_not_handled_keeps_the_batch_on_the_stream
     assert await stream_messages(js, script.batch_id) == []
 
 
+async def test_a_batch_the_stream_no_longer_holds_replays_whole_from_the_store(
+    gw_nats: str, database_url: str, bus: tuple[NatsClient, Publisher], pool: asyncpg.Pool[asyncpg.Record]
+) -> None:
+    """Its messages gone from CASES before compaction (purged by hand, lost with a stream, or — as
+    once — another stack's gateway compacting against its own stream): the compaction covers all the
+    store holds, so its event stream replays every event, not only `end` (`purged_below` was 0)."""
+    nc, pub = bus
+    js = nc.jetstream()
+    script = new_script(("c1",))
+    events: list[EventBase] = [script.requested(), *script.case_events("c1"), script.finalized()]
+    messages = await published(pub, events)
+    await record(pool, messages)
+    for subject in subjects.batch_filter(script.batch_id):
+        await js.purge_stream(CASES.name, subject=subject)
+    done = await compact_batch(js, pool, script.batch_id)
+    assert done is not None
+    assert (done.messages, done.purged_below) == (0, messages[-1].stream_seq + 1)
+    async with (
+        running_gateway(gw_nats, database_url, tokens={ALICE: member("alice")}, sse_heartbeat_s=0.2) as gw,
+        aiohttp.ClientSession() as http,
+    ):
+        received = await read_events(http, gw, script.batch_id)
+    assert [f.id for f in received[:-1]] == [m.stream_seq for m in messages]
+    assert received[-1].event == "end"
+
+
 async def test_a_compacted_batch_is_rejudged_from_the_store(
     compacting_gateway: RunningGateway, bus: tuple[NatsClient, Publisher]
 ) -> None:

@@ -47,7 +47,7 @@ from prometheus_client import CollectorRegistry, Counter
 from evalbus_contracts import subjects
 from evalbus_contracts.streams import CASES
 from evalbus_gateway.live.fanout import FeedSpec, replay
-from evalbus_gateway.store.compaction import Compacted, due_batches, mark_compacted, unhandled
+from evalbus_gateway.store.compaction import Compacted, due_batches, last_recorded_seq, mark_compacted, unhandled
 from evalbus_runtime.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -102,7 +102,11 @@ async def compact_batch(js: JetStreamContext, db: Database, batch_id: str) -> Co
             missing[0],
         )
         return None
-    below = max(seqs) + 1 if seqs else 0
+    if seqs:
+        below = max(seqs) + 1
+    else:  # the stream holds none of it (purged by hand, or lost): all the store has is below
+        last = await last_recorded_seq(db, batch_id)
+        below = last + 1 if last is not None else 0
     if seqs:
         for subject in subjects.batch_filter(batch_id):
             await js.purge_stream(CASES.name, seq=below, subject=subject)

@@ -93,6 +93,13 @@ async def recorded_events(db: Database, batch_id: str, *, after: int, before: in
     return [(int(r["stream_seq"]), str(r["type"]), str(r["body"]).encode()) for r in rows]
 
 
+async def last_recorded_seq(db: Database, batch_id: str) -> int | None:
+    """The highest stream sequence of the batch's recorded events (None: nothing recorded)."""
+    async with acquire(db) as conn:
+        found = await conn.fetchval("SELECT max(stream_seq) FROM events WHERE batch_id = $1", batch_id)
+    return None if found is None else int(found)
+
+
 async def finalized_body(db: Database, batch_id: str) -> bytes | None:
     """The JSON of the batch's recorded `batch.finalized` (the first: the one the store keeps)."""
     async with acquire(db) as conn:
