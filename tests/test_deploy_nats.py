@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from evalbus.infra.nats import nats_server_binary
+from evalbus.infra.stack import new_nats_password
 from evalbus_contracts import streams, subjects
 from evalbus_runtime.nkeys import AccountKey
 
@@ -46,7 +47,7 @@ def server_env(store: Path, **overrides: str) -> dict[str, str]:
     env |= {"SERVER_NAME": "evalbus-nats-0", "NATS_STORE_DIR": str(store), "NATS_MAX_FILE_STORE": "1G"}
     env["NATS_PID_FILE"] = str(store / "nats.pid")
     for user in accounts.users():
-        env[accounts.password_variable(user)] = os.urandom(12).hex()
+        env[accounts.password_variable(user)] = new_nats_password()  # a letter first: never read as a number
     env[accounts.ISSUER_VARIABLE] = AccountKey.generate().public
     env |= overrides
     return env

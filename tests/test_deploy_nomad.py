@@ -20,6 +20,7 @@ import yaml
 
 from evalbus.infra import nats_accounts
 from evalbus.infra.nats import nats_server_binary
+from evalbus.infra.stack import new_nats_password
 from evalbus_collector.service import CollectorSettings
 from evalbus_contracts import streams
 from evalbus_dispatcher.service import DispatcherSettings
@@ -214,7 +215,7 @@ def test_the_nats_job_assembles_a_config_nats_server_accepts(tmp_path: Path) -> 
     env["NATS_PID_FILE"] = str(tmp_path / "nats.pid")
     accounts = (local / "accounts.conf").read_text(encoding="utf-8")
     for variable in set(re.findall(r"\$(NATS_PASSWORD_[A-Z_]+)", accounts)):
-        env[variable] = os.urandom(8).hex()
+        env[variable] = new_nats_password()  # os.urandom(8).hex() was read as a number when it looked like one
     env[nats_accounts.ISSUER_VARIABLE] = AccountKey.generate().public
     result = subprocess.run(
         [nats_server_binary(), "-t", "-c", str(local / "nats.conf")],
