@@ -378,11 +378,16 @@ def test_a_database_serves_one_stack(stack: Stack, pg_admin_url: str, tmp_path_f
     assert stack.endpoints()["database"] == with_database(pg_admin_url, stack.database)
 
     other = Stack(tmp_path_factory.mktemp("other-stack"), dict(stack.env), stack.database)
-    refused = other.up("--no-services")
-    assert refused.returncode == 1, explain(refused)
-    assert f"database {stack.database} is the event store of the stack in {stack.dir}" in refused.stderr
-    assert "--database NAME" in refused.stderr
-    assert "evalbus down" not in refused.stderr  # it started nothing: nothing to stop
+    try:
+        refused = other.up("--no-services")
+        assert refused.returncode == 1, explain(refused)
+        assert f"database {stack.database} is the event store of the stack in {stack.dir}" in refused.stderr
+        assert "--database NAME" in refused.stderr
+        assert "evalbus down" not in refused.stderr  # it started nothing: nothing to stop
+        assert not (other.dir / "endpoints.json").exists() or not recorded_pids(other.endpoints())
+    finally:
+        if (other.dir / "endpoints.json").exists():
+            other.run("down", "--timeout", "5")
 
     # A different explicit database for the running stack: named, with what to do.
     moved = stack.run("up", "--no-services", "--database", "evalbus_elsewhere")
