@@ -417,6 +417,12 @@ async def test_a_nats_outage_then_recovery_loses_nothing(tmp_path: Path) -> None
         server.stop()
 
 
+def _state(pid: int) -> str:
+    """The process state letter of /proc/<pid>/stat (`T`: stopped by a signal)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 async def test_a_stalled_nats_times_windows_out_and_each_observation_is_stored_once(fresh_nats: NatsServer) -> None:
     """nats-server stopped (SIGSTOP) with the connection open: a window's PubAcks do not come, it is
     published again after its timeout (the stopped server queues every copy), and when the server
@@ -431,6 +437,8 @@ async def test_a_stalled_nats_times_windows_out_and_each_observation_is_stored_o
     await eventually(lambda: recorder.stats().published == len(first), timeout_s=20, what="the first batch published")
     fresh_nats.process.send_signal(signal.SIGSTOP)
     try:
+        # stopped for sure before anything more is recorded (a loaded CI run acked one after the signal)
+        await eventually(lambda: _state(fresh_nats.process.pid) == "T", timeout_s=10, what="nats-server stopped")
         stalled = [trace_id() for _ in range(300)]
         for tid in stalled:
             assert recorder.record(trace_id=tid)
