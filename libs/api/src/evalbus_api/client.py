@@ -35,6 +35,7 @@ from evalbus_api.models import (
     Me,
     StreamEnd,
 )
+from evalbus_api.numbers import whole_number
 from evalbus_api.online import (
     ObservationAnswer,
     OnlineStats,
@@ -140,7 +141,7 @@ class SseParser:
         elif name == "event":
             self._event = value
         elif name == "id":
-            self._id = int(value) if _whole_number(value) else None
+            self._id = whole_number(value)
         return None
 
 
@@ -450,11 +451,6 @@ class GatewayClient:
             await asyncio.sleep(min(0.2 * 2**failures, 5.0))
 
 
-def _whole_number(text: str) -> bool:
-    """ASCII digits, at most 18 of them (`str.isdigit` takes '²', which `int` refuses)."""
-    return text.isascii() and text.isdigit() and len(text) <= 18
-
-
 def _quote(value: str) -> str:
     return quote(value, safe="")
 
@@ -464,7 +460,8 @@ def _params(**values: object) -> dict[str, str]:
 
 
 def _error(status: int, payload: bytes, retry_after: str | None = None) -> ApiRequestError:
-    wait = float(retry_after) if retry_after is not None and _whole_number(retry_after) else None
+    seconds = whole_number(retry_after) if retry_after is not None else None
+    wait = float(seconds) if seconds is not None else None
     try:
         detail = msgspec.json.decode(payload, type=ErrorBody).error
     except msgspec.DecodeError:

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from evalbus_api.actions import ExecBody, ExecView, ScreenView, TicketView
 from evalbus_api.models import ErrorBody
+from evalbus_api.numbers import whole_number
 from evalbus_contracts import decode, encode
 from evalbus_contracts.control import (
     EXEC_TIMEOUT_MAX_S,
@@ -93,9 +94,10 @@ def _size(request: web.Request, name: str, default: int) -> int:
     raw = request.query.get(name)
     if raw is None:
         return default
-    if not raw.isdigit() or not 0 < int(raw) <= 1000:
+    value = whole_number(raw, max_digits=4)
+    if value is None or not 0 < value <= 1000:
         raise ApiError(400, "invalid", "must be an integer from 1 to 1000", name)
-    return int(raw)
+    return value
 
 
 async def terminal(call: Call) -> web.StreamResponse:

@@ -30,6 +30,7 @@ import msgspec
 from aiohttp import web
 
 from evalbus_api.models import Role
+from evalbus_api.numbers import whole_number
 from evalbus_gateway.api.errors import ApiError
 from evalbus_gateway.errors import TokensFileError
 
@@ -74,11 +75,6 @@ def _token_id(token: str) -> str:
     return hashlib.sha256(b"evalbus session\0" + token.encode("utf-8", "surrogateescape")).hexdigest()[:24]
 
 
-def _whole_number(text: str) -> bool:
-    """ASCII digits, at most 12 of them (`str.isdigit` takes '²', which `int` refuses)."""
-    return text.isascii() and text.isdigit() and len(text) <= 12
-
-
 def _session_mac(key: bytes, claims: str) -> bytes:
     return hmac.new(key, claims.encode("utf-8"), hashlib.sha256).hexdigest().encode()
 
@@ -119,7 +115,8 @@ class TokenTable:
         token_id, _, rest = rest.partition(".")
         expiry, _, mac = rest.partition(".")
         found = self._by_id.get(token_id)
-        if version != SESSION_VERSION or found is None or not _whole_number(expiry) or int(expiry) <= now:
+        expires = whole_number(expiry, max_digits=12)
+        if version != SESSION_VERSION or found is None or expires is None or expires <= now:
             return None
         digest, principal = found
         expected = _session_mac(digest, f"{version}.{token_id}.{expiry}")
